@@ -1,0 +1,30 @@
+"""`python -m bench [name ...]`: run the benchmarks (all by default) and print their figures."""
+
+import argparse
+import importlib
+
+from rich.console import Console
+from rich.table import Table
+
+BENCHES = {"rms_norm": "bench.rms_norm"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument(
+        "names",
+        nargs="*",
+        choices=[[], *BENCHES],
+        metavar="name",
+        help=f"any of {', '.join(BENCHES)} (default: all)",
+    )
+    names = parser.parse_args().names or list(BENCHES)
+    table = Table("bench", "figure", "value")
+    for name in names:
+        for figure, value in importlib.import_module(BENCHES[name]).run().items():
+            table.add_row(name, figure, f"{value:.3f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

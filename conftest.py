@@ -1,0 +1,39 @@
+"""Test set-up for every pytest process (xdist workers too): 8 simulated CPU devices and float32
+matmuls at "highest" precision, both fixed before JAX is imported; golden fixtures through the
+golden store, so a missing or stale golden fails naming the file and how to regenerate it."""
+
+import os
+import re
+
+# Before anything imports jax: XLA reads these once, at backend start.
+_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+from goldens.store import Golden, GoldenError, load_golden  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# XLA compilation dominates a JAX example: no deadline; fixed derandomised examples in the gate.
+settings.register_profile("gate", deadline=None, derandomize=True, print_blob=True)
+settings.load_profile("gate")
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """`golden("<path in goldens/>")` -> verified `Golden`; fails the test if missing or stale."""
+    cache: dict[str, Golden] = {}
+
+    def load(path: str) -> Golden:
+        if path not in cache:
+            try:
+                cache[path] = load_golden(path)
+            except GoldenError as error:
+                pytest.fail(str(error), pytrace=False)
+        return cache[path]
+
+    return load

@@ -1,0 +1,82 @@
+"""`python -m goldens.export [component ...] [--out DIR]`: run OLMo-core 3.0.0 on this CPU and write
+the goldens of the named components (all by default) with their manifest entries.
+
+Deterministic: single-threaded torch, deterministic algorithms, a fixed seed per component, no
+timestamps; exporting twice on one machine gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from goldens.store import GOLDENS_DIR, PINNED_VERSIONS, GoldenFile, write_golden
+
+COMPONENTS: dict[str, str] = {
+    "rms_norm": "goldens.norms",
+}
+"""Component name -> module whose `export()` returns its `GoldenFile`s."""
+
+RECORDED_PACKAGES = (*PINNED_VERSIONS, "numpy", "safetensors")
+
+
+def installed_versions() -> dict[str, str]:
+    """Versions of the exporter's packages, local tags dropped (torch 2.13.0+cpu -> 2.13.0)."""
+    return {p: importlib.metadata.version(p).split("+")[0] for p in RECORDED_PACKAGES}
+
+
+def make_torch_deterministic() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+def exporter(component: str) -> Callable[[], list[GoldenFile]]:
+    return importlib.import_module(COMPONENTS[component]).export
+
+
+def export(components: Sequence[str], out: Path) -> list[str]:
+    """Export `components` into `out`; returns the written paths."""
+    versions = installed_versions()
+    wrong = {p: v for p, v in versions.items() if p in PINNED_VERSIONS and v != PINNED_VERSIONS[p]}
+    if wrong:
+        raise SystemExit(
+            f"goldens.export: installed {wrong}, pinned {PINNED_VERSIONS}; run it through "
+            "`tox -e goldens`, which installs the pinned versions"
+        )
+    make_torch_deterministic()
+    written = []
+    for component in components:
+        for golden in exporter(component)():
+            command = f"python -m goldens.export {component}"
+            write_golden(golden, command=command, versions=versions, root=out)
+            written.append(golden.path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m goldens.export", description=__doc__)
+    parser.add_argument(
+        "components",
+        nargs="*",
+        choices=[[], *COMPONENTS],
+        metavar="component",
+        help=f"any of {', '.join(COMPONENTS)} (default: all)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=GOLDENS_DIR, help="directory to write into (default: goldens/)"
+    )
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in export(args.components or list(COMPONENTS), args.out):
+        print(f"wrote {args.out / path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

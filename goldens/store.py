@@ -1,0 +1,159 @@
+"""The golden store: safetensors files under goldens/ and `goldens/manifest.json`.
+
+Manifest shape: {"files": {"<path relative to goldens/>": {"sha256", "producer", "command",
+"versions", "seeds", "config", "tensors": {name: {"shape", "dtype"}}, "tolerances",
+"substitutions"}}}. Loading checks, before any tensor is used, that the entry exists, the path stays
+inside goldens/, the sha256 matches, the versions are the pinned ones and the tensors are the listed
+ones; every failure names the file and the command that regenerates it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from goldens.tolerances import REGENERATE_RTOL
+
+GOLDENS_DIR = Path(__file__).resolve().parent
+MANIFEST_NAME = "manifest.json"
+PINNED_VERSIONS = {"ai2-olmo-core": "3.0.0", "torch": "2.13.0", "fla-core": "0.6.0"}
+"""The exporter's packages; a golden made with other versions is stale."""
+
+
+class GoldenError(Exception):
+    """A golden that is missing, stale, hand-edited or malformed."""
+
+
+@dataclass(frozen=True)
+class GoldenFile:
+    """What one exporter produces: the tensors of one file and how they were made."""
+
+    path: str
+    tensors: dict[str, np.ndarray]
+    producer: str
+    """The olmo_core module or function that computed the tensors."""
+    seeds: dict[str, int]
+    config: dict[str, Any]
+    tolerances: dict[str, Any]
+    substitutions: list[str] = field(default_factory=list)
+    """CPU stand-ins used for GPU-only kernels, one line each."""
+
+
+@dataclass(frozen=True)
+class Golden:
+    """A loaded, verified golden file."""
+
+    path: str
+    tensors: dict[str, np.ndarray]
+    entry: dict[str, Any]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise GoldenError(
+                f"goldens/{self.path} has no tensor {name!r} (it has {sorted(self.tensors)}); "
+                f"{_regenerate_hint(self.entry)}"
+            )
+        return self.tensors[name]
+
+
+def _regenerate_hint(entry: dict[str, Any] | None) -> str:
+    command = (entry or {}).get("command") or "python -m goldens.export"
+    return f"regenerate it with `tox -e goldens` (runs `{command}`)"
+
+
+def resolve(path: str, root: Path = GOLDENS_DIR) -> Path:
+    """The file of a manifest path; refuses paths that leave `root`."""
+    pure = PurePosixPath(path)
+    if pure.is_absolute() or ".." in pure.parts or not pure.parts:
+        raise GoldenError(f"manifest path {path!r} must be relative and stay inside goldens/")
+    return root.joinpath(*pure.parts)
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_manifest(root: Path = GOLDENS_DIR) -> dict[str, Any]:
+    path = root / MANIFEST_NAME
+    if not path.exists():
+        return {"files": {}}
+    manifest = json.loads(path.read_text())
+    if not isinstance(manifest.get("files"), dict):
+        raise GoldenError(f"{path} has no 'files' mapping; regenerate with `tox -e goldens`")
+    return manifest
+
+
+def write_manifest(manifest: dict[str, Any], root: Path = GOLDENS_DIR) -> None:
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    (root / MANIFEST_NAME).write_text(text)
+
+
+def tensor_specs(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    return {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in sorted(tensors.items())}
+
+
+def write_golden(
+    golden: GoldenFile, *, command: str, versions: dict[str, str], root: Path = GOLDENS_DIR
+) -> None:
+    """Write the tensors and their manifest entry (replacing an earlier entry of that path)."""
+    rtol = golden.tolerances.get("regenerate_rtol")
+    if rtol is None or not 0.0 <= rtol <= REGENERATE_RTOL:
+        raise GoldenError(
+            f"{golden.path}: tolerances.regenerate_rtol must lie in [0, {REGENERATE_RTOL}], "
+            f"got {rtol!r}"
+        )
+    target = resolve(golden.path, root)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v) for k, v in sorted(golden.tensors.items())}
+    save_file(tensors, str(target))
+    manifest = read_manifest(root)
+    manifest["files"][golden.path] = {
+        "sha256": sha256_of(target),
+        "producer": golden.producer,
+        "command": command,
+        "versions": versions,
+        "seeds": golden.seeds,
+        "config": golden.config,
+        "tensors": tensor_specs(tensors),
+        "tolerances": golden.tolerances,
+        "substitutions": golden.substitutions,
+    }
+    write_manifest(manifest, root)
+
+
+def load_golden(path: str, root: Path = GOLDENS_DIR) -> Golden:
+    """Load `goldens/<path>` after checking it against its manifest entry."""
+    entry = read_manifest(root)["files"].get(path)
+    if entry is None:
+        raise GoldenError(
+            f"goldens/{path} is not in goldens/{MANIFEST_NAME}; {_regenerate_hint(None)}"
+        )
+    hint = _regenerate_hint(entry)
+    file = resolve(path, root)
+    if not file.exists():
+        raise GoldenError(f"goldens/{path} is missing; {hint}")
+    if sha256_of(file) != entry.get("sha256"):
+        raise GoldenError(
+            f"goldens/{path} does not match the sha256 in goldens/{MANIFEST_NAME} "
+            f"(edited by hand or stale); {hint}"
+        )
+    versions = entry.get("versions", {})
+    stale = {k: versions.get(k) for k, v in PINNED_VERSIONS.items() if versions.get(k) != v}
+    if stale:
+        raise GoldenError(
+            f"goldens/{path} was made with {stale}, but the pinned versions are "
+            f"{PINNED_VERSIONS}; {hint}"
+        )
+    tensors = load_file(str(file))
+    if tensor_specs(tensors) != entry.get("tensors"):
+        raise GoldenError(
+            f"goldens/{path}: tensors {tensor_specs(tensors)} differ from the manifest's "
+            f"{entry.get('tensors')}; {hint}"
+        )
+    return Golden(path=path, tensors=tensors, entry=entry)

@@ -1,0 +1,506 @@
+"""Frozen, validated configs: model shape, training recipe and the OLMo-core parity flags.
+
+OLMo-core 3.0.0 counterparts: `OLMoDDPModelConfig` / `OLMoDDPTransformerBlockConfig` (ModelConfig),
+`KimiDeltaAttentionConfig` (KDAConfig), `AttentionConfig` (AttentionConfig), `MoERouterConfigV2` +
+`RoutedExpertsConfig` + `LatentMoEConfig` + `SharedExpertsConfig` + `EmoRouterConfig` (MoEConfig,
+EmoConfig), `OLMoDDPTrainModuleConfig` + `OLMoDDPOptimizerConfig` + a scheduler (TrainConfig).
+`Flags` holds the switches of the MaxText replay PR (shared/seeds); each default is plain MaxText
+behaviour and `olmo_core()` turns them all to OLMo-core's.
+
+Every config validates itself at construction and raises `ValueError("<Class>.<field>: ...")`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYER_TYPES = ("kda", "attention")
+SCHEDULES = ("constant_with_warmup", "cosine", "linear", "wsd")
+AUX_LOSS_REDUCTIONS = ("mean", "sum")
+KDA_INVERSES = ("forward_substitution", "newton_schulz", "power_series")
+POSITIONAL_ENCODINGS = ("none",)
+
+
+class _Config:
+    """Validation and serialisation shared by every config dataclass."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:  # overridden where there is something to check
+        pass
+
+    def _require(self, ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise ValueError(f"{type(self).__name__}.{name}: {message}")
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            self._require(value > 0, name, f"must be > 0, got {value!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (tuples become lists), for snapshots and manifests."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class KDAConfig(_Config):
+    """Kimi Delta Attention mixer (OLMo-core `KimiDeltaAttentionConfig`; conv without bias)."""
+
+    n_heads: int
+    """Heads for q, k and v (OLMo-core requires n_v_heads == n_heads)."""
+    head_dim: int
+    """Key head dim d_k."""
+    expand_v: float = 2.0
+    """Value head dim d_v = head_dim * expand_v."""
+    allow_neg_eigval: bool = True
+    """beta = 2 sigmoid(.) instead of sigmoid(.): eigenvalues of (I - beta k k^T) down to -1."""
+    conv_size: int = 4
+    """Causal depthwise short-convolution width on q, k, v."""
+    norm_eps: float = 1e-5
+    """Eps of the sigmoid-gated output RMSNorm."""
+    chunk_size: int = 64
+    """Tokens per chunk of the chunked kernel (FLA's 64)."""
+
+    def validate(self) -> None:
+        self._positive("n_heads", "head_dim", "expand_v", "conv_size", "norm_eps", "chunk_size")
+        v = self.head_dim * self.expand_v
+        self._require(v == int(v), "expand_v", f"head_dim * expand_v must be whole, got {v}")
+
+    @property
+    def head_v_dim(self) -> int:
+        return int(self.head_dim * self.expand_v)
+
+    def num_params(self, d_model: int) -> int:
+        """Parameter count of one layer, as OLMo-core's `KimiDeltaAttentionConfig.num_params`."""
+        h, dk, dv = self.n_heads, self.head_dim, self.head_v_dim
+        qk, v = h * dk, h * dv
+        projections = d_model * (2 * qk + v) + v * d_model  # w_q, w_k, w_v, w_out
+        decay = d_model * dv + dv * qk  # f_proj_1, f_proj_2 (low rank d_v)
+        gate = d_model * dv + dv * v + v  # g_proj_1, g_proj_2 (with bias)
+        conv = self.conv_size * (2 * qk + v)
+        return (
+            projections + decay + gate + conv + d_model * h + h + qk + dv
+        )  # w_b, A_log, dt_bias, o_norm
+
+
+@dataclass(frozen=True)
+class AttentionConfig(_Config):
+    """Gated full attention (OLMo-core `AttentionConfig`): per-head QK RMSNorm with per-head
+    gains, scalable softmax with a learned per-head scale, elementwise sigmoid output gate."""
+
+    n_heads: int
+    """Query heads."""
+    n_kv_heads: int
+    """Key/value heads (grouped-query attention); divides n_heads."""
+    head_dim: int
+    qk_norm_eps: float = 1e-6
+    positional_encoding: str = "none"
+    """Only "none" (NoPE, as the hero) is implemented."""
+
+    def validate(self) -> None:
+        self._positive("n_heads", "n_kv_heads", "head_dim", "qk_norm_eps")
+        self._require(
+            self.n_heads % self.n_kv_heads == 0,
+            "n_kv_heads",
+            f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}",
+        )
+        self._require(
+            self.positional_encoding in POSITIONAL_ENCODINGS,
+            "positional_encoding",
+            f"must be one of {POSITIONAL_ENCODINGS} (the hero is NoPE), "
+            f"got {self.positional_encoding!r}",
+        )
+
+    def num_params(self, d_model: int) -> int:
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        projections = (
+            d_model * (q + 2 * kv) + q * d_model + d_model * q
+        )  # w_q, w_k, w_v, w_out, w_g
+        return projections + q + kv + self.n_heads  # q_norm, k_norm gains, ssmax_scale
+
+
+@dataclass(frozen=True)
+class EmoConfig(_Config):
+    """EMO document expert pools (OLMo-core `EmoRouterConfig`): each EOS-delimited document keeps
+    only its top-`pool` experts; the pool is drawn uniformly in [min_pool, max_pool] per document
+    in training and is `eval_pool` in evaluation."""
+
+    min_pool: int
+    max_pool: int
+    eval_pool: int
+
+    def validate(self) -> None:
+        self._positive("min_pool")
+        self._require(
+            self.min_pool <= self.max_pool,
+            "max_pool",
+            f"must be >= min_pool={self.min_pool}, got {self.max_pool}",
+        )
+        self._positive("eval_pool")
+
+
+@dataclass(frozen=True)
+class MoEConfig(_Config):
+    """Latent MoE feed-forward (OLMo-core v2: `MoERouterConfigV2`, `RoutedExpertsConfig`,
+    `LatentMoEConfig`, `SharedExpertsConfig`): softmax router over all experts, top-k, SwiGLU
+    experts in a latent space, one optional shared expert added to the routed output."""
+
+    num_experts: int
+    top_k: int
+    expert_hidden: int
+    """SwiGLU hidden size of each routed expert."""
+    latent_dim: int
+    """Width the routed experts work in (down/up projections around them)."""
+    shared_expert_hidden: int | None
+    """Hidden size of the single shared SwiGLU expert; None for no shared expert."""
+    normalize_expert_weights: bool = True
+    """L1-normalise the selected router weights (OLMo-core normalize_expert_weights=1.0)."""
+    restore_weight_scale: bool = True
+    """Multiply the normalised weights by top_k."""
+    emo: EmoConfig | None = None
+
+    def validate(self) -> None:
+        self._positive("num_experts", "top_k", "expert_hidden", "latent_dim")
+        self._require(
+            self.top_k <= self.num_experts,
+            "top_k",
+            f"must be <= num_experts={self.num_experts}, got {self.top_k}",
+        )
+        if self.shared_expert_hidden is not None:
+            self._positive("shared_expert_hidden")
+        if self.emo is not None:
+            self._require(
+                self.top_k <= self.emo.min_pool and self.emo.max_pool <= self.num_experts,
+                "emo",
+                f"pools must satisfy top_k={self.top_k} <= min_pool={self.emo.min_pool} and "
+                f"max_pool={self.emo.max_pool} <= num_experts={self.num_experts}",
+            )
+            self._require(
+                self.top_k <= self.emo.eval_pool <= self.num_experts,
+                "emo",
+                f"eval_pool={self.emo.eval_pool} must lie in [top_k={self.top_k}, "
+                f"num_experts={self.num_experts}]",
+            )
+
+    def num_routed_params(self) -> int:
+        return self.num_experts * 3 * self.expert_hidden * self.latent_dim
+
+    def num_params(self, d_model: int) -> int:
+        """Router + routed experts + latent projections + shared expert of one MoE block."""
+        shared = 0 if self.shared_expert_hidden is None else 3 * d_model * self.shared_expert_hidden
+        router = self.num_experts * d_model
+        return router + self.num_routed_params() + 2 * d_model * self.latent_dim + shared
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Config):
+    """The olmo35 hybrid (OLMo-core `OLMoDDPModelConfig`, blocks `moe_fused_v2`): peri-norm blocks
+    of a KDA or attention mixer and a dense (listed in `dense_layers`) or MoE feed-forward;
+    embedding scaled by sqrt(d_model) then RMSNorm; untied LM head with its own RMSNorm."""
+
+    d_model: int
+    n_layers: int
+    vocab_size: int
+    eos_token_id: int
+    layer_types: tuple[str, ...]
+    """Mixer of each block, "kda" or "attention"; length n_layers."""
+    dense_layers: tuple[int, ...]
+    """Blocks whose feed-forward is a dense SwiGLU of width dense_hidden (the hero: block 0)."""
+    dense_hidden: int
+    kda: KDAConfig
+    attention: AttentionConfig
+    moe: MoEConfig
+    norm_eps: float = 1e-6
+    """Eps of every block, embedding and LM-head RMSNorm."""
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        self._positive("d_model", "n_layers", "vocab_size", "dense_hidden", "norm_eps", "init_std")
+        self._require(
+            0 <= self.eos_token_id < self.vocab_size,
+            "eos_token_id",
+            f"must lie in [0, vocab_size={self.vocab_size}), got {self.eos_token_id}",
+        )
+        self._require(
+            len(self.layer_types) == self.n_layers,
+            "layer_types",
+            f"needs one entry per layer (n_layers={self.n_layers}), got {len(self.layer_types)}",
+        )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        self._require(not unknown, "layer_types", f"unknown {unknown}; allowed {LAYER_TYPES}")
+        self._require(
+            list(self.dense_layers) == sorted(set(self.dense_layers))
+            and all(0 <= i < self.n_layers for i in self.dense_layers),
+            "dense_layers",
+            f"must be increasing block indices in [0, {self.n_layers}), got {self.dense_layers}",
+        )
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.d_model)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if i not in self.dense_layers)
+
+    def num_params(self) -> int:
+        """Total parameters, as OLMo-core's `OLMoDDPModelConfig.num_params`."""
+        d = self.d_model
+        mixers = sum(
+            self.kda.num_params(d) if t == "kda" else self.attention.num_params(d)
+            for t in self.layer_types
+        )
+        ffns = len(self.dense_layers) * 3 * d * self.dense_hidden
+        ffns += len(self.moe_layers) * self.moe.num_params(d)
+        embeddings, lm_head = self.vocab_size * d + d, self.vocab_size * d + d
+        return embeddings + lm_head + mixers + ffns + self.n_layers * 4 * d  # 4 peri-norms a block
+
+    def num_active_params(self) -> int:
+        """Parameters touched per token: routed experts count top_k of num_experts."""
+        inactive = self.moe.num_routed_params() * (self.moe.num_experts - self.moe.top_k)
+        return self.num_params() - len(self.moe_layers) * inactive // self.moe.num_experts
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Config):
+    """The recipe (OLMo-core `OLMoDDPTrainModuleConfig` + `OLMoDDPOptimizerConfig`, which is
+    `SkipStepAdamW` with clipping, + a scheduler). Weights of the losses are as OLMo-core's:
+    CE z-loss multiplier, router load-balancing and router z-loss weights per MoE layer."""
+
+    seq_len: int
+    global_batch_size: int
+    """Instances (rows of seq_len tokens) per optimizer step."""
+    ga_steps: int
+    """Micro-batches per optimizer step; divides global_batch_size."""
+    lr: float
+    warmup_steps: int
+    max_steps: int
+    schedule: str = "constant_with_warmup"
+    alpha_f: float = 0.1
+    """Final LR as a fraction of lr, for "cosine" and "linear"."""
+    decay_fraction: float = 0.1
+    """Share of max_steps spent in the final linear decay of "wsd"."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    embedding_weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    skip_step_sigma: float = 6.0
+    """A step is skipped when loss or grad norm exceeds mean + sigma * std of recent steps."""
+    skip_step_window: int = 128
+    z_loss_weight: float = 1e-5
+    lb_loss_weight: float = 0.01
+    router_z_loss_weight: float = 1e-5
+    init_seed: int = 12536
+    data_seed: int = 928543231
+
+    def validate(self) -> None:
+        self._positive("seq_len", "global_batch_size", "ga_steps", "lr", "max_steps", "eps")
+        self._positive("max_grad_norm", "skip_step_sigma", "skip_step_window")
+        self._require(
+            self.global_batch_size % self.ga_steps == 0,
+            "ga_steps",
+            f"must divide global_batch_size={self.global_batch_size}, got {self.ga_steps}",
+        )
+        self._require(
+            0 <= self.warmup_steps <= self.max_steps,
+            "warmup_steps",
+            f"must lie in [0, max_steps={self.max_steps}], got {self.warmup_steps}",
+        )
+        self._require(
+            self.schedule in SCHEDULES,
+            "schedule",
+            f"must be one of {SCHEDULES}, got {self.schedule!r}",
+        )
+        self._require(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "betas",
+            f"must be two values in [0, 1), got {self.betas!r}",
+        )
+        for name in ("alpha_f", "decay_fraction"):
+            value = getattr(self, name)
+            self._require(0.0 <= value <= 1.0, name, f"must lie in [0, 1], got {value}")
+        for name in (
+            "weight_decay",
+            "embedding_weight_decay",
+            "z_loss_weight",
+            "lb_loss_weight",
+            "router_z_loss_weight",
+        ):
+            value = getattr(self, name)
+            self._require(value >= 0.0, name, f"must be >= 0, got {value}")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.global_batch_size // self.ga_steps
+
+
+@dataclass(frozen=True)
+class Flags(_Config):
+    """The replay PR's switches. Defaults are plain MaxText; see `olmo_core()` for OLMo-core's."""
+
+    moe_global_load_balancing: bool = False
+    """Average expert token counts over data devices (no grad) before the LB loss; log the mean
+    over devices, not device 0's."""
+    olmo_segment_ids_from_eos: int | None = None
+    """EOS id: segment ids from EOS (`eos.cumsum() - eos + 1`, on inputs of length L)."""
+    olmoe3_mixers_ignore_segment_ids: bool = False
+    """Attention and KDA see the whole instance; only the EMO pools use segment ids."""
+    moe_aux_loss_reduction: str = "mean"
+    """Combine the MoE aux losses of all layers by "sum" (OLMo-core) or "mean" (MaxText)."""
+    warmup_step_offset: int = 0
+    """Added to the step before the LR schedule; OLMo-core's first step is step 1."""
+    olmo_global_indices_path: str | None = None
+    """OLMo-core global-indices file: global batch k is OLMo-core's batch k."""
+    kda_inverse: str = "forward_substitution"
+    """How the KDA chunk system (I + A) is inverted; the other two overflow on trained keys and
+    are kept only to show that."""
+    vocab_tiling_seq_major: bool = False
+    """Vocab tiles of LM head + CE split along the sequence, not the flattened batch."""
+    ga_params_loop_barrier: bool = False
+    """Optimisation barrier on the params inside the GA loop (memory; no OLMo-core counterpart)."""
+
+    def validate(self) -> None:
+        self._require(
+            self.moe_aux_loss_reduction in AUX_LOSS_REDUCTIONS,
+            "moe_aux_loss_reduction",
+            f"must be one of {AUX_LOSS_REDUCTIONS}, got {self.moe_aux_loss_reduction!r}",
+        )
+        self._require(
+            self.kda_inverse in KDA_INVERSES,
+            "kda_inverse",
+            f"must be one of {KDA_INVERSES}, got {self.kda_inverse!r}",
+        )
+        self._require(
+            self.warmup_step_offset >= 0,
+            "warmup_step_offset",
+            f"must be >= 0, got {self.warmup_step_offset}",
+        )
+        if self.olmo_segment_ids_from_eos is not None:
+            self._require(
+                self.olmo_segment_ids_from_eos >= 0,
+                "olmo_segment_ids_from_eos",
+                f"must be a token id >= 0 or None, got {self.olmo_segment_ids_from_eos}",
+            )
+
+
+@dataclass(frozen=True)
+class Config(_Config):
+    """A whole run: model, recipe and flags, checked against each other."""
+
+    model: ModelConfig
+    train: TrainConfig
+    flags: Flags = field(default_factory=Flags)
+
+    def validate(self) -> None:
+        eos = self.flags.olmo_segment_ids_from_eos
+        self._require(
+            eos is None or eos == self.model.eos_token_id,
+            "flags",
+            f"olmo_segment_ids_from_eos={eos} differs from model.eos_token_id="
+            f"{self.model.eos_token_id}",
+        )
+
+
+def olmo_core(config: Config, *, global_indices_path: str | None = None) -> Config:
+    """`config` with every flag switched to OLMo-core behaviour.
+
+    `ga_params_loop_barrier` stays off: it is a memory layout choice with no OLMo-core meaning.
+    `olmo_global_indices_path` is set only when a global-indices file is given.
+    """
+    flags = dataclasses.replace(
+        config.flags,
+        moe_global_load_balancing=True,
+        olmo_segment_ids_from_eos=config.model.eos_token_id,
+        olmoe3_mixers_ignore_segment_ids=True,
+        moe_aux_loss_reduction="sum",
+        warmup_step_offset=1,
+        olmo_global_indices_path=global_indices_path,
+        kda_inverse="forward_substitution",
+        vocab_tiling_seq_major=True,
+    )
+    return dataclasses.replace(config, flags=flags)
+
+
+def hybrid_layer_types(n_layers: int, attention_every: int) -> tuple[str, ...]:
+    """KDA everywhere except attention at every `attention_every`-th block (7, 15, ... for 8)."""
+    return tuple("attention" if (i + 1) % attention_every == 0 else "kda" for i in range(n_layers))
+
+
+def olmo35_tiny() -> Config:
+    """The hero: OLMo-core `olmo35-small-hero-20260907` = MaxText `olmo35-tiny`
+    (12,496,341,632 parameters, 794,233,472 active)."""
+    model = ModelConfig(
+        d_model=1024,
+        n_layers=16,
+        vocab_size=100352,
+        eos_token_id=100257,
+        layer_types=hybrid_layer_types(16, attention_every=8),
+        dense_layers=(0,),
+        dense_hidden=8192,
+        kda=KDAConfig(n_heads=8, head_dim=128),
+        attention=AttentionConfig(n_heads=8, n_kv_heads=4, head_dim=128),
+        moe=MoEConfig(
+            num_experts=512,
+            top_k=16,
+            expert_hidden=1024,
+            latent_dim=512,
+            shared_expert_hidden=1024,
+            emo=EmoConfig(min_pool=16, max_pool=512, eval_pool=512),
+        ),
+    )
+    train = TrainConfig(
+        seq_len=8192,
+        global_batch_size=2048,  # 16,777,216 tokens
+        ga_steps=8,  # 64 GPUs x micro-batch 4 x GA 8
+        lr=1.1e-3,
+        warmup_steps=2000,
+        max_steps=834466,  # the 14T-token horizon
+    )
+    return Config(model=model, train=train)
+
+
+def micro() -> Config:
+    """The hero's structure at CPU size: goldens and a 50-step replay in minutes on 2 cores.
+    Byte-level vocab (256 bytes + EOS, padded to 384); seq 256 gives KDA 4 chunks of 64."""
+    model = ModelConfig(
+        d_model=64,
+        n_layers=8,
+        vocab_size=384,
+        eos_token_id=256,
+        layer_types=hybrid_layer_types(8, attention_every=8),
+        dense_layers=(0,),
+        dense_hidden=512,  # 8 * d_model, the hero's ratio
+        kda=KDAConfig(n_heads=2, head_dim=32),
+        attention=AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=32),
+        moe=MoEConfig(
+            num_experts=16,
+            top_k=2,
+            expert_hidden=64,
+            latent_dim=32,
+            shared_expert_hidden=64,
+            emo=EmoConfig(min_pool=2, max_pool=16, eval_pool=16),
+        ),
+    )
+    train = TrainConfig(
+        seq_len=256,
+        global_batch_size=8,
+        ga_steps=2,
+        lr=1e-3,
+        warmup_steps=10,
+        max_steps=50,
+    )
+    return Config(model=model, train=train)
