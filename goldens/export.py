@@ -18,6 +18,7 @@ from goldens.store import GOLDENS_DIR, PINNED_VERSIONS, GoldenFile, write_golden
 
 COMPONENTS: dict[str, str] = {
     "rms_norm": "goldens.norms",
+    "kda": "goldens.kda",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

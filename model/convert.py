@@ -1,0 +1,108 @@
+"""OLMo-core state dicts <-> NNX params, through one explicit table of (OLMo-core key, NNX path,
+layout). Loading checks that the key sets match exactly and every shape agrees before it assigns
+anything; errors name the key. Arrays may be numpy, torch tensors or anything `np.asarray` takes
+(torch itself is never imported here).
+
+Layouts: "linear" is OLMo-core's weight [out, in] vs our kernel [in, out]; "conv" is a depthwise
+conv weight [C, 1, W] vs ours [C, W]; "same" is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flax import nnx
+
+LAYOUTS = ("linear", "conv", "same")
+
+
+@dataclass(frozen=True)
+class Entry:
+    torch_key: str
+    path: tuple[str | int, ...]
+    layout: str = "same"
+
+
+def _linear(torch_name: str, path: tuple, *, bias: bool = False) -> list[Entry]:
+    entries = [Entry(f"{torch_name}.weight", (*path, "kernel"), "linear")]
+    return entries + ([Entry(f"{torch_name}.bias", (*path, "bias"))] if bias else [])
+
+
+def kda_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """`KimiDeltaAttention` (olmo_core/nn/attention/kda.py) <-> `model.kda.KimiDeltaAttention`."""
+    entries = [Entry(f"{prefix}{n}", (*path, n)) for n in ("A_log", "dt_bias")]
+    entries.append(Entry(f"{prefix}o_norm.weight", (*path, "o_norm")))
+    for name in ("w_q", "w_k", "w_v", "f_proj_1", "f_proj_2", "w_b", "g_proj_1", "w_out"):
+        entries += _linear(f"{prefix}{name}", (*path, name))
+    entries += _linear(f"{prefix}g_proj_2", (*path, "g_proj_2"), bias=True)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        entries.append(Entry(f"{prefix}{name}.weight", (*path, name, "weight"), "conv"))
+    return entries
+
+
+def _to_ours(array: np.ndarray, layout: str) -> np.ndarray:
+    if layout == "linear":
+        return array.T
+    if layout == "conv":
+        return array[:, 0, :]
+    if layout == "same":
+        return array
+    raise NotImplementedError(layout)
+
+
+def _to_olmo_core(array: np.ndarray, layout: str) -> np.ndarray:
+    if layout == "linear":
+        return array.T
+    if layout == "conv":
+        return array[:, None, :]
+    if layout == "same":
+        return array
+    raise NotImplementedError(layout)
+
+
+def _numpy(value) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    return np.asarray(value, dtype=np.float32)
+
+
+def _flat_params(state: nnx.State) -> dict[tuple, np.ndarray]:
+    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state)}
+
+
+def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]) -> None:
+    """Assign an OLMo-core state dict to `module`'s params by `entries`; all checks come first."""
+    ours = _flat_params(nnx.state(module, nnx.Param))
+    by_key = {e.torch_key: e for e in entries}
+    unknown = sorted(set(state_dict) - set(by_key))
+    missing = sorted(set(by_key) - set(state_dict))
+    if unknown or missing:
+        raise KeyError(f"OLMo-core state dict: unknown keys {unknown}, missing keys {missing}")
+    unmapped = sorted(set(ours) - {e.path for e in entries})
+    if unmapped:
+        raise KeyError(f"params with no OLMo-core key: {unmapped}")
+    converted = {}
+    for key, entry in by_key.items():
+        value = _to_ours(_numpy(state_dict[key]), entry.layout)
+        want = ours[entry.path].shape
+        if value.shape != want:
+            raise ValueError(
+                f"{key}: shape {value.shape} after the {entry.layout!r} layout, "
+                f"expected {want} for {'.'.join(map(str, entry.path))}"
+            )
+        converted[entry.path] = value
+    nested: dict = {}
+    for path, value in converted.items():
+        node = nested
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    nnx.update(module, nested)
+
+
+def to_olmo_core(params: nnx.State, entries: list[Entry]) -> dict[str, np.ndarray]:
+    """Params (or gradients shaped like them) as an OLMo-core state dict."""
+    flat = _flat_params(params)
+    return {e.torch_key: _to_olmo_core(flat[e.path], e.layout) for e in entries}

@@ -1,0 +1,22 @@
+"""Parameter initialisers with OLMo-core's distributions (olmo_core/nn/transformer/init.py)."""
+
+import jax
+import jax.numpy as jnp
+
+
+def trunc_normal(std: float):
+    """Normal(0, std) truncated to [-3 std, 3 std], as OLMo-core's `init_linear`."""
+
+    def init(key, shape, dtype=jnp.float32):
+        return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, dtype)
+
+    return init
+
+
+def log_uniform(low: float, high: float):
+    """log(U(low, high)), as OLMo-core initialises KDA's A_log."""
+
+    def init(key, shape, dtype=jnp.float32):
+        return jnp.log(jax.random.uniform(key, shape, dtype, low, high))
+
+    return init

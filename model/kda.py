@@ -1,0 +1,109 @@
+"""The Kimi Delta Attention layer, as OLMo-core's `KimiDeltaAttention`
+(olmo_core/nn/attention/kda.py, 3.0.0); the math is in `model.kda_chunk`.
+
+    q, k, v = SiLU(causal depthwise conv(W x))   (conv width 4, no bias)
+    g = -exp(A_log) * softplus(f_proj_2(f_proj_1(x)) + dt_bias);  beta = (2) sigmoid(w_b(x))
+    o = chunk_kda(l2norm(q), l2norm(k), v, g, beta)
+    y = w_out(RMSNorm(o) * o_norm.weight * sigmoid(g_proj_2(g_proj_1(x))))
+
+Parameter names are OLMo-core's; linear kernels are [in, out] (OLMo-core's weight transposed) and
+conv weights [C, W] (OLMo-core's [C, 1, W] squeezed). Segment ids restart the state and the
+convolution at document starts unless `ignore_segment_ids` (OLMo-core: the whole instance).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import KDAConfig
+from model.init import log_uniform, trunc_normal
+from model.kda_chunk import chunk_kda, kda_beta, kda_gate, l2_normalize
+from model.norms import rms_norm
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Depthwise causal convolution then SiLU. x [B, T, C]; weight [C, W], weight[:, W-1] meets
+    the current token; segment_ids [B, T] keep taps inside the current segment."""
+    W = weight.shape[-1]
+    y = jnp.zeros(x.shape, jnp.float32)
+    for s in range(W):  # tap s reads x_{t-s}
+        shifted = jnp.pad(x, [(0, 0), (s, 0), (0, 0)])[:, : x.shape[1]]
+        if segment_ids is not None:
+            seg = jnp.pad(segment_ids, [(0, 0), (s, 0)], constant_values=-1)[:, : x.shape[1]]
+            shifted = jnp.where((seg == segment_ids)[..., None], shifted, 0.0)
+        y = y + shifted * weight[:, W - 1 - s]
+    return jax.nn.silu(y)
+
+
+class CausalConv1d(nnx.Module):
+    def __init__(self, channels: int, width: int, *, std: float, rngs: nnx.Rngs):
+        self.weight = nnx.Param(trunc_normal(std)(rngs.params(), (channels, width)))
+
+    def __call__(self, x, segment_ids=None):
+        return causal_conv1d(x, self.weight[...], segment_ids)
+
+
+def _linear(d_in: int, d_out: int, std: float, rngs: nnx.Rngs, *, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=trunc_normal(std), rngs=rngs)
+
+
+class KimiDeltaAttention(nnx.Module):
+    """x [B, T, d_model] -> [B, T, d_model]. `inverse` is `Flags.kda_inverse`;
+    `ignore_segment_ids` is `Flags.olmoe3_mixers_ignore_segment_ids`. `out_std` is the output
+    projection's init std (OLMo-core scales it by init method; `std` for "normal")."""
+
+    def __init__(
+        self,
+        config: KDAConfig,
+        d_model: int,
+        *,
+        inverse: str,
+        ignore_segment_ids: bool,
+        std: float = 0.02,
+        out_std: float | None = None,
+        rngs: nnx.Rngs,
+    ):
+        self.config, self.inverse, self.ignore_segment_ids = config, inverse, ignore_segment_ids
+        H, dk, dv = config.n_heads, config.head_dim, config.head_v_dim
+        self.w_q = _linear(d_model, H * dk, std, rngs)
+        self.w_k = _linear(d_model, H * dk, std, rngs)
+        self.w_v = _linear(d_model, H * dv, std, rngs)
+        self.q_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, rngs=rngs)
+        self.k_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, rngs=rngs)
+        self.v_conv1d = CausalConv1d(H * dv, config.conv_size, std=std, rngs=rngs)
+        self.f_proj_1 = _linear(d_model, dv, std, rngs)
+        self.f_proj_2 = _linear(dv, H * dk, std, rngs)
+        self.w_b = _linear(d_model, H, std, rngs)
+        self.A_log = nnx.Param(log_uniform(1.0, 16.0)(rngs.params(), (H,)))
+        self.dt_bias = nnx.Param(jnp.zeros((H * dk,), jnp.float32))
+        self.g_proj_1 = _linear(d_model, dv, std, rngs)
+        self.g_proj_2 = _linear(dv, H * dv, std, rngs, bias=True)
+        self.o_norm = nnx.Param(jnp.ones((dv,), jnp.float32))
+        self.w_out = _linear(H * dv, d_model, std if out_std is None else out_std, rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        c = self.config
+        B, T, _ = x.shape
+        H, dk, dv = c.n_heads, c.head_dim, c.head_v_dim
+        seg = None if self.ignore_segment_ids else segment_ids
+        q = self.q_conv1d(self.w_q(x), seg).reshape(B, T, H, dk)
+        k = self.k_conv1d(self.w_k(x), seg).reshape(B, T, H, dk)
+        v = self.v_conv1d(self.w_v(x), seg).reshape(B, T, H, dv)
+        raw_decay = self.f_proj_2(self.f_proj_1(x)).reshape(B, T, H, dk)
+        g = kda_gate(raw_decay, self.A_log[...], self.dt_bias[...])
+        beta = kda_beta(self.w_b(x), allow_neg_eigval=c.allow_neg_eigval)
+        o, _ = chunk_kda(
+            l2_normalize(q),
+            l2_normalize(k),
+            v,
+            g,
+            beta,
+            segment_ids=seg,
+            chunk_size=c.chunk_size,
+            inverse=self.inverse,
+        )
+        gate = self.g_proj_2(self.g_proj_1(x)).reshape(B, T, H, dv)
+        y = rms_norm(o, self.o_norm[...], eps=c.norm_eps) * jax.nn.sigmoid(gate)
+        return self.w_out(y.reshape(B, T, H * dv))

@@ -1,0 +1,257 @@
+"""Kimi Delta Attention math, float32: the recurrent reference, the chunked form and the inverse
+of its chunk system. Mirrors FLA's `fla/ops/kda/naive.py` (`naive_recurrent_kda`,
+`naive_chunk_kda`), which OLMo-core's `KimiDeltaAttention` reaches through `chunk_kda`.
+
+Per head, with state S [K, V], decay g_t [K] (log space, <= 0) and beta_t:
+    S <- diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = scale * S^T q_t.
+
+Chunked (C tokens a chunk, G = cumsum of g inside it, Gamma_i = exp(G_i)):
+    A_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)   (i > j, strictly lower)
+    T = (I + A)^-1 diag(beta);   w = T (Gamma * k);   u = T v;   v'_i = u_i - w_i S_0
+    o_i = (q_i * Gamma_i) S_0 + sum_{j <= i} q_i^T diag(exp(G_i - G_j)) k_j v'_j
+    S_C = diag(Gamma_C) S_0 + sum_j (exp(G_C - G_j) * k_j) v'_j^T
+Every exponent is a difference G_i - G_j <= 0 taken only where i >= j: the mask is applied before
+`exp`, so neither the value nor the gradient sees exp of a positive number.
+
+Segment ids (optional, [B, T]) restart the state at each new segment, as running each document
+alone; OLMo-core's hero passes none (the whole instance is one sequence).
+
+Differences from FLA: `invert_unit_lower` offers the two inverses MaxText once used (they overflow
+on trained keys; kept to show it); T need not be a multiple of the chunk size (zero padding).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+L2_NORM_EPS = 1e-6
+"""FLA's `l2norm` eps, added to the sum of squares (not to the norm)."""
+SUB_BLOCK = 16
+"""Forward substitution works in SUB_BLOCK x SUB_BLOCK diagonal blocks, then merges them."""
+INVERSES = ("forward_substitution", "newton_schulz", "power_series")
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """x [..., K] -> x / sqrt(sum(x^2) + 1e-6), in float32 (FLA `l2norm`)."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + L2_NORM_EPS)
+
+
+def kda_gate(raw: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """Log-space decay g = -exp(A_log[h]) * softplus(raw + dt_bias) (FLA `naive_kda_gate`).
+
+    raw [B, T, H, K]; a_log [H]; dt_bias [H * K]. Returns g [B, T, H, K] <= 0, float32.
+    """
+    H, K = raw.shape[-2:]
+    x = raw.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, K)
+    return -jnp.exp(a_log.astype(jnp.float32))[:, None] * jax.nn.softplus(x)
+
+
+def kda_beta(logits: jax.Array, *, allow_neg_eigval: bool) -> jax.Array:
+    """beta = sigmoid(logits), doubled when eigenvalues of (I - beta k k^T) may be negative."""
+    beta = jax.nn.sigmoid(logits.astype(jnp.float32))
+    return 2.0 * beta if allow_neg_eigval else beta
+
+
+# --- the inverse of the chunk system ---------------------------------------------------------
+
+
+def _forward_substitution(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for strictly lower a [..., n, n], row by row: X_i = e_i - sum_{j<i} a_ij X_j."""
+    n = a.shape[-1]
+    x = jnp.broadcast_to(jnp.eye(n, dtype=a.dtype), a.shape)
+    for i in range(1, n):
+        row = jnp.eye(n, dtype=a.dtype)[i] - jnp.einsum(
+            "...j,...jc->...c", a[..., i, :i], x[..., :i, :]
+        )
+        x = x.at[..., i, :].set(row)
+    return x
+
+
+def _blocked_forward_substitution(a: jax.Array) -> jax.Array:
+    """(I + a)^-1: invert the SUB_BLOCK diagonal blocks, then fill block rows below them,
+    X_ij = -X_ii sum_{j <= m < i} a_im X_mj (FLA's `solve_tril` merges blocks the same way)."""
+    C = a.shape[-1]
+    n = -(-C // SUB_BLOCK)
+    pad = n * SUB_BLOCK - C
+    if pad:  # zero rows and columns extend (I + a) by an identity block
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, pad), (0, pad)])
+    # shape: [..., n*S, n*S] -> [..., n, S, n, S]
+    blocks = a.reshape(*a.shape[:-2], n, SUB_BLOCK, n, SUB_BLOCK)
+    diag_inv = [_forward_substitution(blocks[..., b, :, b, :]) for b in range(n)]
+    x = [[None] * n for _ in range(n)]
+    for i in range(n):
+        x[i][i] = diag_inv[i]
+        for j in range(i - 1, -1, -1):
+            acc = sum(blocks[..., i, :, m, :] @ x[m][j] for m in range(j, i))
+            x[i][j] = -diag_inv[i] @ acc
+    zeros = jnp.zeros_like(diag_inv[0])
+    rows = [jnp.concatenate([x[i][j] if j <= i else zeros for j in range(n)], -1) for i in range(n)]
+    full = jnp.concatenate(rows, -2)
+    return full[..., :C, :C]
+
+
+def _newton_schulz(a: jax.Array) -> jax.Array:
+    """X <- X (2I - (I + a) X) from X = I; exact after ceil(log2 C) steps for nilpotent a, but its
+    iterates hold (-a)^(2^k), which overflow float32 when keys are correlated."""
+    C = a.shape[-1]
+    eye = jnp.eye(C, dtype=a.dtype)
+    m, x = eye + a, jnp.broadcast_to(eye, a.shape)
+    for _ in range(max(1, (C - 1).bit_length())):
+        x = x @ (2 * eye - m @ x)
+    return x
+
+
+def _power_series(a: jax.Array) -> jax.Array:
+    """sum_{n < C} (-a)^n as the product prod_k (I + (-a)^(2^k)); the same powers overflow."""
+    C = a.shape[-1]
+    eye = jnp.eye(C, dtype=a.dtype)
+    power, x = -a, eye + -a
+    for _ in range(max(1, (C - 1).bit_length()) - 1):
+        power = power @ power
+        x = x @ (eye + power)
+    return x
+
+
+def invert_unit_lower(a: jax.Array, method: str = "forward_substitution") -> jax.Array:
+    """(I + a)^-1 for strictly lower a [..., C, C]; `method` in INVERSES (Flags.kda_inverse)."""
+    if method == "forward_substitution":
+        return _blocked_forward_substitution(a)
+    if method == "newton_schulz":
+        return _newton_schulz(a)
+    if method == "power_series":
+        return _power_series(a)
+    raise NotImplementedError(method)
+
+
+# --- recurrent reference ---------------------------------------------------------------------
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state, segment_ids):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    state = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
+    segment_ids = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
+    return q * scale, k, v, g, beta, state.astype(jnp.float32), segment_ids
+
+
+def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
+    """Token-by-token KDA, the spec of `chunk_kda` (FLA `naive_recurrent_kda`).
+
+    q, k [B, T, H, K] (already L2-normed); v [B, T, H, V]; g [B, T, H, K] log decay (<= 0);
+    beta [B, T, H]; scale default K**-0.5; initial_state [B, H, K, V]; segment_ids [B, T] restart
+    the state where they change. Returns (o [B, T, H, V], final_state [B, H, K, V]), float32.
+    """
+    q, k, v, g, beta, state, seg = _prepare(q, k, v, g, beta, scale, initial_state, segment_ids)
+    restart = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+
+    def step(S, x):
+        q_t, k_t, v_t, g_t, b_t, r_t = x  # [B, H, K], [B, H, K], [B, H, V], [B, H, K], [B, H], [B]
+        S = jnp.where(r_t[:, None, None, None], 0.0, S) * jnp.exp(g_t)[..., None]
+        delta = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, S)
+        S = S + jnp.einsum("bhk,bhv->bhkv", b_t[..., None] * k_t, delta)
+        return S, jnp.einsum("bhk,bhkv->bhv", q_t, S)
+
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, restart)]
+    state, o = lax.scan(step, state, time_major)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+# --- chunked form ----------------------------------------------------------------------------
+
+
+def _pairwise_decay(G_i: jax.Array, G_j: jax.Array, keep: jax.Array) -> jax.Array:
+    """exp(G_i - G_j) [..., C, C, K] where keep [..., C, C], else 0; masked before exp."""
+    diff = G_i[..., :, None, :] - G_j[..., None, :, :]
+    return jnp.where(keep[..., None], jnp.exp(jnp.where(keep[..., None], diff, 0.0)), 0.0)
+
+
+def _chunked(x: jax.Array, C: int) -> jax.Array:
+    """[B, T, H, ...] -> [B, H, N, C, ...], T a multiple of C."""
+    B, T, H = x.shape[:3]
+    x = x.reshape(B, T // C, C, H, *x.shape[3:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def chunk_system(k, G, beta, same_segment) -> jax.Array:
+    """A_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc) for i > j in one segment, else 0.
+
+    k, G (in-chunk cumulative log decay) [..., C, K]; beta [..., C]; same_segment [..., C, C].
+    """
+    C = k.shape[-2]
+    strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1) & same_segment
+    A = jnp.einsum("...ijk,...ik,...jk->...ij", _pairwise_decay(G, G, strictly_lower), k, k)
+    return beta[..., None] * A
+
+
+def kda_chunk_system(k, g, beta, *, chunk_size: int = 64) -> jax.Array:
+    """The chunk systems A [B, H, N, C, C] of k [B, T, H, K], g [B, T, H, K], beta [B, T, H]
+    (T a multiple of chunk_size), laid out as in FLA's `naive_chunk_kda`."""
+    k, g, beta = (_chunked(x.astype(jnp.float32), chunk_size) for x in (k, g, beta))
+    return chunk_system(k, jnp.cumsum(g, axis=-2), beta, jnp.ones((chunk_size, chunk_size), bool))
+
+
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    segment_ids=None,
+    chunk_size: int = 64,
+    inverse: str = "forward_substitution",
+):
+    """Chunked KDA (FLA `naive_chunk_kda`), same arguments and result as `recurrent_kda`.
+
+    T need not be a multiple of chunk_size: the tail is padded with tokens that change nothing
+    (k = v = q = 0, g = 0, beta = 0, the last segment id).
+    """
+    q, k, v, g, beta, state, seg = _prepare(q, k, v, g, beta, scale, initial_state, segment_ids)
+    B, T, H, _ = q.shape
+    C = chunk_size
+    pad = -T % C
+    if pad:
+        q, k, v, g, beta = (
+            jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta)
+        )
+        seg = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge")
+    q, k, v, g, beta = (_chunked(x, C) for x in (q, k, v, g, beta))  # [B, H, N, C, ...]
+    seg = _chunked(jnp.broadcast_to(seg[:, :, None], (B, T + pad, H)), C)  # [B, H, N, C]
+    # The segment of the token before each chunk, whose state S_0 the chunk starts from.
+    seg_prev = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)  # [B, H, N]
+
+    G = jnp.cumsum(g, axis=-2)
+    same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
+    carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
+    A = chunk_system(k, G, beta, same)
+    T_beta = invert_unit_lower(A, inverse) * beta[..., None, :]  # (I + A)^-1 diag(beta)
+    gamma = jnp.where(
+        carry[..., None], jnp.exp(G), 0.0
+    )  # decay since the chunk start, 0 if restarted
+    w = T_beta @ (gamma * k)  # [B, H, N, C, K]
+    u = T_beta @ v  # [B, H, N, C, V]
+    lower = jnp.tril(jnp.ones((C, C), bool)) & same
+    A_qk = jnp.einsum("...ijk,...ik,...jk->...ij", _pairwise_decay(G, G, lower), q, k)
+    # Decay from token j to the chunk end, for the tokens of the chunk's last segment.
+    k_tail = _pairwise_decay(G[..., -1:, :], G, same[..., -1:, :])[..., 0, :, :] * k
+    gamma_end = jnp.where(carry[..., -1:], jnp.exp(G[..., -1, :]), 0.0)  # [B, H, N, K]
+
+    def step(S, x):  # S [B, H, K, V]; one chunk of every input
+        q_n, w_n, u_n, A_qk_n, gamma_n, k_tail_n, gamma_end_n = x
+        v_new = u_n - w_n @ S  # [B, H, C, V]
+        o = (q_n * gamma_n) @ S + A_qk_n @ v_new
+        S = gamma_end_n[..., None] * S + jnp.swapaxes(k_tail_n, -1, -2) @ v_new
+        return S, o
+
+    per_chunk = [jnp.moveaxis(x, 2, 0) for x in (q, w, u, A_qk, gamma, k_tail, gamma_end)]
+    state, o = lax.scan(step, state, per_chunk)  # o [N, B, H, C, V]
+    o = jnp.moveaxis(o, 0, 2)  # shape: [B, H, N, C, V] -> [B, N*C, H, V]
+    o = jnp.moveaxis(o.reshape(B, H, -1, o.shape[-1]), 1, 2)
+    return o[:, :T], state
