@@ -19,6 +19,8 @@ from goldens.store import GOLDENS_DIR, PINNED_VERSIONS, GoldenFile, write_golden
 COMPONENTS: dict[str, str] = {
     "rms_norm": "goldens.norms",
     "kda": "goldens.kda",
+    "data": "goldens.data",
+    "segment_ids": "goldens.segment_ids",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

@@ -1,10 +1,12 @@
-"""The golden store: safetensors files under goldens/ and `goldens/manifest.json`.
+"""The golden store: files under goldens/ and `goldens/manifest.json`.
 
-Manifest shape: {"files": {"<path relative to goldens/>": {"sha256", "producer", "command",
-"versions", "seeds", "config", "tensors": {name: {"shape", "dtype"}}, "tolerances",
-"substitutions"}}}. Loading checks, before any tensor is used, that the entry exists, the path stays
-inside goldens/, the sha256 matches, the versions are the pinned ones and the tensors are the listed
-ones; every failure names the file and the command that regenerates it.
+Manifest shape: {"files": {"<path relative to goldens/>": {"sha256", "format", "producer",
+"command", "versions", "seeds", "config", "tensors": {name: {"shape", "dtype"}}, "tolerances",
+"substitutions"}}}. A file's format is "safetensors" (named tensors) or "raw": one array as its
+little-endian bytes with no header, the layout of OLMo-core's token and global-indices files.
+Loading checks, before any tensor is used, that the entry exists, the path stays inside goldens/,
+the sha256 matches, the versions are the pinned ones and the tensors are the listed ones; every
+failure names the file and the command that regenerates it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from goldens.tolerances import REGENERATE_RTOL
 
 GOLDENS_DIR = Path(__file__).resolve().parent
 MANIFEST_NAME = "manifest.json"
+FORMATS = ("safetensors", "raw")
 PINNED_VERSIONS = {"ai2-olmo-core": "3.0.0", "torch": "2.13.0", "fla-core": "0.6.0"}
 """The exporter's packages; a golden made with other versions is stale."""
 
@@ -43,6 +46,8 @@ class GoldenFile:
     tolerances: dict[str, Any]
     substitutions: list[str] = field(default_factory=list)
     """CPU stand-ins used for GPU-only kernels, one line each."""
+    format: str = "safetensors"
+    """"safetensors", or "raw" for a file of exactly one 1-D array (OLMo-core's layout)."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +116,17 @@ def write_golden(
     target = resolve(golden.path, root)
     target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v) for k, v in sorted(golden.tensors.items())}
-    save_file(tensors, str(target))
+    if golden.format == "safetensors":
+        save_file(tensors, str(target))
+    elif golden.format == "raw":
+        array = _raw_array(golden.path, tensors)
+        target.write_bytes(array.astype(array.dtype.newbyteorder("<")).tobytes())
+    else:
+        raise GoldenError(f"{golden.path}: format must be one of {FORMATS}, got {golden.format!r}")
     manifest = read_manifest(root)
     manifest["files"][golden.path] = {
         "sha256": sha256_of(target),
+        "format": golden.format,
         "producer": golden.producer,
         "command": command,
         "versions": versions,
@@ -125,6 +137,22 @@ def write_golden(
         "substitutions": golden.substitutions,
     }
     write_manifest(manifest, root)
+
+
+def _raw_array(path: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """The one 1-D array a raw file holds."""
+    arrays = list(tensors.values())
+    if len(arrays) != 1 or arrays[0].ndim != 1:
+        shapes = {k: list(v.shape) for k, v in tensors.items()}
+        raise GoldenError(f"{path}: a raw file holds exactly one 1-D array, got {shapes}")
+    return arrays[0]
+
+
+def _read_raw(file: Path, specs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The array of a raw file, named and typed as its manifest entry says."""
+    ((name, spec),) = specs.items()
+    dtype = np.dtype(spec["dtype"])
+    return {name: np.fromfile(file, dtype=dtype.newbyteorder("<")).astype(dtype)}
 
 
 def load_golden(path: str, root: Path = GOLDENS_DIR) -> Golden:
@@ -150,7 +178,16 @@ def load_golden(path: str, root: Path = GOLDENS_DIR) -> Golden:
             f"goldens/{path} was made with {stale}, but the pinned versions are "
             f"{PINNED_VERSIONS}; {hint}"
         )
-    tensors = load_file(str(file))
+    file_format = entry.get("format")
+    if file_format == "safetensors":
+        tensors = load_file(str(file))
+    elif file_format == "raw" and len(entry.get("tensors", {})) == 1:
+        tensors = _read_raw(file, entry["tensors"])
+    else:
+        raise GoldenError(
+            f"goldens/{path}: manifest format {file_format!r} with tensors "
+            f"{entry.get('tensors')} is not one of {FORMATS} (raw holds one array); {hint}"
+        )
     if tensor_specs(tensors) != entry.get("tensors"):
         raise GoldenError(
             f"goldens/{path}: tensors {tensor_specs(tensors)} differ from the manifest's "

@@ -2,6 +2,7 @@
 names the file and how to regenerate it; `goldens.check` tells bit-identical from within-tolerance
 from mismatched regenerations, naming the file and tensor."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -63,6 +64,51 @@ def test_writing_twice_gives_identical_bytes(tmp_path):
     first = (tmp_path / PATH).read_bytes(), (tmp_path / "manifest.json").read_bytes()
     _write(tmp_path)
     assert ((tmp_path / PATH).read_bytes(), (tmp_path / "manifest.json").read_bytes()) == first
+
+
+def _raw(tensors=None) -> GoldenFile:
+    tensors = {"tokens": np.array([1, 256, 65535], np.uint16)} if tensors is None else tensors
+    return GoldenFile(
+        path="unit/tokens.npy",
+        tensors=tensors,
+        producer="test",
+        seeds={},
+        config={},
+        tolerances={"regenerate_rtol": 0.0},
+        format="raw",
+    )
+
+
+def test_raw_file_is_the_little_endian_array_alone(tmp_path):
+    """OLMo-core's token and global-indices layout: no header, little-endian."""
+    _write(tmp_path, _raw())
+    assert (tmp_path / "unit/tokens.npy").read_bytes() == bytes([1, 0, 0, 1, 255, 255])
+    golden = load_golden("unit/tokens.npy", tmp_path)
+    np.testing.assert_array_equal(golden["tokens"], [1, 256, 65535])
+    assert golden["tokens"].dtype == np.uint16
+    assert golden.entry["format"] == "raw"
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        {"a": np.zeros(2, np.uint16), "b": np.zeros(2, np.uint16)},
+        {"a": np.zeros((2, 2), np.uint16)},
+    ],
+    ids=["two-arrays", "2-d"],
+)
+def test_raw_file_holds_one_1d_array(tmp_path, tensors):
+    with pytest.raises(GoldenError, match="a raw file holds exactly one 1-D array"):
+        _write(tmp_path, _raw(tensors))
+
+
+def test_unknown_format(tmp_path):
+    with pytest.raises(GoldenError, match=r"format must be one of \('safetensors', 'raw'\)"):
+        _write(tmp_path, dataclasses.replace(_sample(), format="npy"))
+    _write(tmp_path)
+    _edit_entry(tmp_path, format="npy")
+    with pytest.raises(GoldenError, match=r"manifest format 'npy' .* is not one of"):
+        load_golden(PATH, tmp_path)
 
 
 def test_missing_entry(tmp_path):
