@@ -102,7 +102,7 @@ def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]
     nnx.update(module, nested)
 
 
-def to_olmo_core(params: nnx.State, entries: list[Entry]) -> dict[str, np.ndarray]:
+def params_to_olmo_core(params: nnx.State, entries: list[Entry]) -> dict[str, np.ndarray]:
     """Params (or gradients shaped like them) as an OLMo-core state dict."""
     flat = _flat_params(params)
     return {e.torch_key: _to_olmo_core(flat[e.path], e.layout) for e in entries}

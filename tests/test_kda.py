@@ -12,7 +12,7 @@ from flax import nnx
 
 from goldens.tolerances import KDA_FORWARD, KDA_GRAD, Tol
 from model.config import micro
-from model.convert import kda_entries, load_olmo_core, to_olmo_core
+from model.convert import kda_entries, load_olmo_core, params_to_olmo_core
 from model.kda import KimiDeltaAttention
 from model.kda_chunk import chunk_kda, invert_unit_lower, kda_chunk_system, recurrent_kda
 from tests.compare import assert_close
@@ -101,7 +101,7 @@ def test_layer_matches_olmo_core(golden):
     y, (grad_layer, grad_x) = _layer_vjp(layer, g["x"], g["cotangent"])
     assert_close("y", expected=g["y"], actual=y, tol=KDA_FORWARD)
     assert_close("grad.x", expected=g["grad.x"], actual=grad_x, tol=KDA_GRAD)
-    grads = to_olmo_core(grad_layer, kda_entries())
+    grads = params_to_olmo_core(grad_layer, kda_entries())
     expected = {k: g[f"grad.{k}"] for k in grads}
     assert_close("grad", expected=expected, actual=grads, tol=KDA_GRAD)
 
