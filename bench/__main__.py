@@ -6,7 +6,7 @@ import importlib
 from rich.console import Console
 from rich.table import Table
 
-BENCHES = {"rms_norm": "bench.rms_norm"}
+BENCHES = {"rms_norm": "bench.rms_norm", "kda_inverse": "bench.kda_inverse"}
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
     table = Table("bench", "figure", "value")
     for name in names:
         for figure, value in importlib.import_module(BENCHES[name]).run().items():
-            table.add_row(name, figure, f"{value:.3f}")
+            table.add_row(name, figure, f"{value:.3g}")
     Console().print(table)
 
 

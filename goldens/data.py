@@ -45,6 +45,25 @@ ON_CPU = [
 """What OLMo-core needed to run this on a CPU."""
 
 
+def write_token_files(config: Config, directory: Path) -> dict[str, Path]:
+    """The corpus token files (manifest path -> file written under `directory`)."""
+    files = {}
+    for name, array in token_arrays(eos_token_id=config.model.eos_token_id).items():
+        path = f"{DIR}/tokens/{name}.npy"
+        files[path] = Path(directory, path)
+        files[path].parent.mkdir(parents=True, exist_ok=True)
+        array.astype("<u2").tofile(files[path])
+    return files
+
+
+def olmo_core_loader(config: Config, token_files: list[Path], work_dir: Path):
+    """OLMo-core's `NumpyFSLDataLoader` over the token files, reshuffled for epoch 1."""
+    dataset_config, loader_config = _olmo_core_configs(config, token_files, work_dir)
+    loader = loader_config.build(dataset_config.build())
+    loader.reshuffle(epoch=1)
+    return loader
+
+
 def _olmo_core_configs(config: Config, token_files: list[Path], work_dir: Path):
     from olmo_core.data import (
         NumpyDataLoaderConfig,
@@ -80,8 +99,7 @@ def _run_olmo_core(config: Config, token_files: list[Path], work_dir: Path) -> d
     from olmo_core.data.utils import get_labels
 
     dataset_config, loader_config = _olmo_core_configs(config, token_files, work_dir)
-    loader = loader_config.build(dataset_config.build())
-    loader.reshuffle(epoch=1)
+    loader = olmo_core_loader(config, token_files, work_dir)
     batches, state = [], None
     for batch in loader:
         batches.append(batch)
@@ -121,10 +139,7 @@ def export() -> list[GoldenFile]:
         for name, array in token_arrays(eos_token_id=config.model.eos_token_id).items()
     }
     with tempfile.TemporaryDirectory(prefix="goldens-data-") as tmp:
-        token_files = [Path(tmp, path) for path in tokens]
-        for file, array in zip(token_files, tokens.values(), strict=True):
-            file.parent.mkdir(parents=True, exist_ok=True)
-            array.astype("<u2").tofile(file)
+        token_files = list(write_token_files(config, Path(tmp)).values())
         run = _run_olmo_core(config, token_files, Path(tmp, "work"))
 
     seeds = {"data": config.train.data_seed}

@@ -19,6 +19,7 @@ from goldens.store import GOLDENS_DIR, PINNED_VERSIONS, GoldenFile, write_golden
 COMPONENTS: dict[str, str] = {
     "rms_norm": "goldens.norms",
     "kda": "goldens.kda",
+    "kda_trained": "goldens.kda_trained",
     "data": "goldens.data",
     "segment_ids": "goldens.segment_ids",
 }

@@ -95,7 +95,8 @@ def _blocked_forward_substitution(a: jax.Array) -> jax.Array:
 
 def _newton_schulz(a: jax.Array) -> jax.Array:
     """X <- X (2I - (I + a) X) from X = I; exact after ceil(log2 C) steps for nilpotent a, but its
-    iterates hold (-a)^(2^k), which overflow float32 when keys are correlated."""
+    iterates hold (-a)^(2^k), which grow past float32 precision when keys are correlated (errors
+    of 1e10 to 1e21 measured on weak-gate correlated keys)."""
     C = a.shape[-1]
     eye = jnp.eye(C, dtype=a.dtype)
     m, x = eye + a, jnp.broadcast_to(eye, a.shape)
@@ -105,7 +106,7 @@ def _newton_schulz(a: jax.Array) -> jax.Array:
 
 
 def _power_series(a: jax.Array) -> jax.Array:
-    """sum_{n < C} (-a)^n as the product prod_k (I + (-a)^(2^k)); the same powers overflow."""
+    """sum_{n < C} (-a)^n as the product prod_k (I + (-a)^(2^k)); the same powers blow up."""
     C = a.shape[-1]
     eye = jnp.eye(C, dtype=a.dtype)
     power, x = -a, eye + -a

@@ -5,7 +5,8 @@ of the seed's hero replay at steps 210-220) err by more than 1e3 on the same kin
 Keys are k = l2norm(u + sigma * xi) with one shared direction u per chunk, sigma <= 0.2; beta near
 1 or near 2 (allow_neg_eigval); per-channel log decays from weak (1e-4 a token, as trained gates)
 to strong (20, past exp underflow). Shapes are fixed (4 chunk-heads, C = 64, K = 128) so that every
-example reuses one compiled function."""
+example reuses one compiled function. The trained keys (goldens/kda_trained_keys.safetensors) must
+pass the same checks."""
 
 import jax
 import jax.numpy as jnp
@@ -15,53 +16,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from goldens.tolerances import KDA_INVERSE_BETA_1, KDA_INVERSE_BETA_2
-from model.kda_chunk import INVERSES, chunk_kda, chunk_system, invert_unit_lower, l2_normalize
+from model.kda_chunk import INVERSES, chunk_kda, invert_unit_lower, kda_chunk_system, l2_normalize
 from tests.compare import assert_close
+from tests.kda_keys import WEAK, WEAK_TO_STRONG, correlated_system, fp64_inverse
 
-N, C, K, V = 4, 64, 128, 32
-
-
-@jax.jit
-def _system(u, xi, sigma, beta, decay):
-    k = l2_normalize(u[:, None, :] + sigma * xi)  # [N, C, K]
-    return chunk_system(k, jnp.cumsum(-decay, axis=-2), beta, jnp.ones((C, C), bool))
-
-
+C, K, V = 64, 128, 32
 _invert = {m: jax.jit(lambda a, m=m: invert_unit_lower(a, m)) for m in INVERSES}
-
-
-def _case(seed, sigma, beta_range, log_decay_range):
-    """(A [N, C, C] float32, beta [N, C]) for one draw."""
-    rng = np.random.default_rng(seed)
-    beta = rng.uniform(*beta_range, (N, C)).astype(np.float32)
-    centre = rng.uniform(*log_decay_range)
-    decay = np.exp(centre + 0.5 * rng.standard_normal((N, C, K))).astype(np.float32)
-    u, xi = rng.standard_normal((N, K)), rng.standard_normal((N, C, K))
-    A = _system(u.astype(np.float32), xi.astype(np.float32), np.float32(sigma), beta, decay)
-    return np.asarray(A), beta
-
-
-def _fp64_inverse(A):
-    return np.linalg.inv(np.eye(C) + A.astype(np.float64))
 
 
 seeds = st.integers(0, 2**32 - 1)
 sigmas = st.floats(0.01, 0.2)
 beta_bands = st.sampled_from([((0.9, 1.1), KDA_INVERSE_BETA_1), ((1.9, 2.0), KDA_INVERSE_BETA_2)])
-WEAK_TO_STRONG = (np.log(1e-4), np.log(20.0))
-WEAK = (np.log(1e-4), np.log(1e-2))
 
 
 @settings(max_examples=200)
 @given(seed=seeds, sigma=sigmas, band=beta_bands)
 def test_forward_substitution_is_accurate_on_correlated_keys(seed, sigma, band):
     beta_range, tol = band
-    A, beta = _case(seed, sigma, beta_range, WEAK_TO_STRONG)
-    T = np.asarray(_invert["forward_substitution"](A))
-    assert_close("T", expected=_fp64_inverse(A), actual=T, tol=tol)
-    below = np.tril(np.ones((C, C), bool), -1)
-    bound = np.broadcast_to(beta[..., :, None], T.shape) + tol.atol
-    assert np.all(np.abs(T[..., below]) <= bound[..., below]), "|T_ij| exceeds beta_i"
+    A, beta = correlated_system(seed, sigma, beta_range, WEAK_TO_STRONG)
+    _check_forward_substitution(A, beta, tol)
 
 
 @jax.jit
@@ -91,14 +64,39 @@ def test_chunk_kda_gradients_are_finite(seed, sigma, band, log_decay):
 def test_former_inverses_fail_on_correlated_keys(method, seed, sigma, band):
     """Expected behaviour, kept as documentation of the seed's bug: with weak decay the powers
     (-A)^(2^k) these methods form blow up, so the inverse is off by > 1e3 or not finite."""
-    A, _ = _case(seed, sigma, band[0], WEAK)
+    A, _ = correlated_system(seed, sigma, band[0], WEAK)
     T = np.asarray(_invert[method](A))
-    assert not np.isfinite(T).all() or np.max(np.abs(T - _fp64_inverse(A))) > 1e3
+    assert not np.isfinite(T).all() or np.max(np.abs(T - fp64_inverse(A))) > 1e3
 
 
 def test_all_inverses_agree_on_uncorrelated_keys():
     """Control: sigma = 3 (keys nearly independent), beta = 0.5."""
-    A, _ = _case(0, 3.0, (0.5, 0.5), WEAK)
-    expected = _fp64_inverse(A)
+    A, _ = correlated_system(0, 3.0, (0.5, 0.5), WEAK)
+    expected = fp64_inverse(A)
     for method in INVERSES:
         assert_close(method, expected=expected, actual=_invert[method](A), tol=KDA_INVERSE_BETA_1)
+
+
+def _check_forward_substitution(A, beta, tol):
+    T = np.asarray(_invert["forward_substitution"](A))
+    assert_close("T", expected=fp64_inverse(A), actual=T, tol=tol)
+    below = np.tril(np.ones((C, C), bool), -1)
+    bound = np.broadcast_to(beta[..., :, None], T.shape) + tol.atol
+    assert np.all(np.abs(T[..., below]) <= bound[..., below]), "|T_ij| exceeds beta_i"
+
+
+def test_forward_substitution_on_trained_keys(golden):
+    """Keys of a KDA layer OLMo-core trained on the corpus: T, outputs and gradients finite and
+    T within float32 of float64."""
+    g = golden("kda_trained_keys.safetensors")
+    q, k, v, gate, beta = (g[n] for n in ("q", "k", "v", "g", "beta"))
+    A = np.asarray(kda_chunk_system(k, gate, beta))  # [B, H, N, C, C]
+    B, T_len, H = beta.shape
+    beta_chunks = np.moveaxis(beta.reshape(B, T_len // C, C, H), 3, 1)  # [B, H, N, C]
+    _check_forward_substitution(A, beta_chunks, KDA_INVERSE_BETA_1)
+    o, state = jax.jit(chunk_kda)(q, k, v, gate, beta)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(state)).all()
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(chunk_kda(*a)[0] ** 2), argnums=(0, 1, 2, 3, 4)))(
+        q, k, v, gate, beta
+    )
+    assert all(np.isfinite(np.asarray(x)).all() for x in grads)

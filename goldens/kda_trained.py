@@ -1,0 +1,127 @@
+"""Trained keys: the inputs of a KDA layer's kernel (q, k after l2norm, v, g after the gate, beta)
+in a model OLMo-core trained on the project's corpus, for the inverse stability tests.
+
+Until the replay's golden trace exists, this trains its own model on CPU: OLMo-core's v1
+`Transformer` with two blocks of the micro config's KDA (2 heads, d_k 32, d_v 64,
+allow_neg_eigval, conv 4) and a dense SwiGLU feed-forward (the micro model's MoE blocks need CPU
+stand-ins that arrive with the model issue), on OLMo-core's own loader over the corpus (micro
+config's batches: 8 x 256 tokens, data seed), AdamW (lr 3e-3, betas 0.9/0.95, wd 0.1, clip 1.0)
+for `STEPS` steps. The kernel inputs of the last block in the last step are kept (2 rows).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from goldens.cpu_standins import SUBSTITUTIONS, install, kda_gate, l2_normalize
+from goldens.data import olmo_core_loader, write_token_files
+from goldens.store import GoldenFile
+from goldens.tolerances import REGENERATE_RTOL
+from model.config import micro
+
+SEED = 5005
+STEPS = 300
+LR = 3e-3
+ROWS = 2
+
+
+def _model():
+    from olmo_core.nn.attention import KimiDeltaAttentionConfig
+    from olmo_core.nn.feed_forward import FeedForwardConfig
+    from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
+    from olmo_core.nn.lm_head import LMHeadConfig
+    from olmo_core.nn.transformer import TransformerBlockConfig, TransformerConfig
+
+    model = micro().model
+    kda = model.kda
+    norm = LayerNormConfig(name=LayerNormType.rms, eps=model.norm_eps, bias=False)
+    mixer = KimiDeltaAttentionConfig(
+        n_heads=kda.n_heads,
+        n_v_heads=kda.n_heads,
+        head_dim=kda.head_dim,
+        expand_v=kda.expand_v,
+        allow_neg_eigval=kda.allow_neg_eigval,
+        conv_size=kda.conv_size,
+        conv_bias=False,
+        norm_eps=kda.norm_eps,
+    )
+    block = TransformerBlockConfig(
+        sequence_mixer=mixer,
+        layer_norm=norm,
+        name="reordered_norm",
+        feed_forward=FeedForwardConfig(hidden_size=4 * model.d_model, bias=False),
+    )
+    return TransformerConfig(
+        d_model=model.d_model,
+        vocab_size=model.vocab_size,
+        n_layers=2,
+        block=block,
+        lm_head=LMHeadConfig(layer_norm=norm, bias=False),
+        init_seed=SEED,
+    )
+
+
+def _capture_kernel_inputs(into: dict) -> None:
+    """Record what the KDA kernel stand-in computes on, at every call (the last call wins)."""
+    kda_ops = sys.modules["fla.ops.kda"]
+    chunk_kda = kda_ops.chunk_kda
+
+    def recording(q, k, v, g, beta, A_log=None, dt_bias=None, **kwargs):
+        into.update(
+            q=l2_normalize(q), k=l2_normalize(k), v=v, g=kda_gate(g, A_log, dt_bias), beta=beta
+        )
+        return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **kwargs)
+
+    kda_ops.chunk_kda = recording
+
+
+def export() -> list[GoldenFile]:
+    import torch
+    from olmo_core.data.utils import get_labels
+    from olmo_core.optim import AdamWConfig
+
+    install()
+    config = micro()
+    model_config = _model()
+    model = model_config.build(init_device="cpu")
+    model.init_weights(max_seq_len=config.train.seq_len, device=torch.device("cpu"))
+    optim = AdamWConfig(lr=LR, betas=(0.9, 0.95), weight_decay=0.1).build(model)
+    kernel_inputs: dict = {}
+    _capture_kernel_inputs(kernel_inputs)
+    losses = []
+    with tempfile.TemporaryDirectory(prefix="goldens-kda-trained-") as tmp:
+        token_files = list(write_token_files(config, Path(tmp)).values())
+        loader = olmo_core_loader(config, token_files, Path(tmp, "work"))
+        for _, batch in zip(range(STEPS), loader, strict=False):
+            out = model(batch["input_ids"], labels=get_labels(batch))
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            losses.append(float(out.loss.detach()))
+    return [
+        GoldenFile(
+            path="kda_trained_keys.safetensors",
+            tensors={k: v[:ROWS].detach().numpy().copy() for k, v in kernel_inputs.items()},
+            producer="olmo_core.nn.transformer.Transformer (KDA blocks) trained by a torch loop; "
+            "inputs of olmo_core.nn.attention.kda's chunk_kda in its last block",
+            seeds={"init": SEED, "data": config.train.data_seed},
+            config={
+                "model": model_config.as_config_dict(),
+                "steps": STEPS,
+                "optimizer": {
+                    "name": "AdamW",
+                    "lr": LR,
+                    "betas": [0.9, 0.95],
+                    "weight_decay": 0.1,
+                    "max_grad_norm": 1.0,
+                },
+                "batch": [config.train.global_batch_size, config.train.seq_len],
+                "loss_first_last": [losses[0], losses[-1]],
+            },
+            tolerances={"regenerate_rtol": REGENERATE_RTOL},
+            substitutions=SUBSTITUTIONS,
+        )
+    ]
