@@ -22,6 +22,8 @@ COMPONENTS: dict[str, str] = {
     "kda_trained": "goldens.kda_trained",
     "data": "goldens.data",
     "segment_ids": "goldens.segment_ids",
+    "optim": "goldens.optim",
+    "loss": "goldens.loss",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

@@ -298,6 +298,9 @@ class TrainConfig(_Config):
     weight_decay: float = 0.1
     embedding_weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    vocab_tiles: int = 1
+    """Tiles the LM head + CE is computed in (1: untiled); `Flags.vocab_tiling_seq_major` picks
+    the axis they split."""
     skip_step_sigma: float = 6.0
     """A step is skipped when loss or grad norm exceeds mean + sigma * std of recent steps."""
     skip_step_window: int = 128
@@ -309,7 +312,7 @@ class TrainConfig(_Config):
 
     def validate(self) -> None:
         self._positive("seq_len", "global_batch_size", "ga_steps", "lr", "max_steps", "eps")
-        self._positive("max_grad_norm", "skip_step_sigma", "skip_step_window")
+        self._positive("max_grad_norm", "vocab_tiles", "skip_step_sigma", "skip_step_window")
         self._require(
             self.global_batch_size % self.ga_steps == 0,
             "ga_steps",

@@ -1,0 +1,117 @@
+"""The optimizer step against OLMo-core's schedulers and SkipStepAdamW (goldens/optim.safetensors):
+every schedule's LR at every step, with OLMo-core's step offset and without it; three AdamW steps
+with clipping and the embedding group's zero weight decay; the skip-step decisions."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from goldens.tolerances import Tol
+from model import config as c
+from model import optim
+from tests.compare import assert_close
+
+LR_TOL = Tol(rtol=0.0, atol=1e-7)
+PARAM_TOL = Tol(rtol=1e-6, atol=1e-7)
+SCHEDULES = ["constant_with_warmup", "cosine", "linear", "wsd"]
+
+
+def _config(schedule="constant_with_warmup", offset=1):
+    cfg = c.olmo_core(c.micro())
+    flags = dataclasses.replace(cfg.flags, warmup_step_offset=offset)
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, schedule=schedule), flags=flags
+    )
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_lr_matches_olmo_core_every_step(golden, schedule):
+    """Trainer step s (from 0) uses OLMo-core's current = s + 1; MaxText's offset 0 lags a step."""
+    expected = golden("optim.safetensors")[f"lr.{schedule}"]
+    steps = jnp.arange(len(expected) - 1)
+    assert_close(
+        "lr", expected=expected[1:], actual=optim.lr_at(steps, _config(schedule)), tol=LR_TOL
+    )
+    assert_close(
+        "lr", expected=expected[:-1], actual=optim.lr_at(steps, _config(schedule, 0)), tol=LR_TOL
+    )
+
+
+def _params(g, step):
+    prefix = f"adamw.param.{step}."
+    tree = {k.removeprefix(prefix): v for k, v in g.tensors.items() if k.startswith(prefix)}
+    return {
+        "embeddings": {"weight": tree["embeddings.weight"]},
+        "w": {"weight": tree["w.weight"]},
+        "norm": tree["norm"],
+    }
+
+
+def _grads(g, step):
+    return {
+        "embeddings": {"weight": g[f"adamw.grad.{step}.embeddings.weight"]},
+        "w": {"weight": g[f"adamw.grad.{step}.w.weight"]},
+        "norm": g[f"adamw.grad.{step}.norm"],
+    }
+
+
+def test_adamw_steps_match_olmo_core(golden):
+    g = golden("optim.safetensors")
+    cfg = _config()
+    params = jax.tree.map(jnp.asarray, _params(g, 0))
+    state = optim.init(params, cfg)
+    step = jax.jit(lambda p, gr, s, i: optim.step(p, gr, s, step=i, loss=3.0, cfg=cfg))
+    for i in range(3):
+        params, state, metrics = step(params, _grads(g, i + 1), state, i)
+        assert_close(
+            f"params after step {i + 1}", expected=_params(g, i + 1), actual=params, tol=PARAM_TOL
+        )
+        assert_close(
+            "grad_norm",
+            expected=g["adamw.grad_norm"][i],
+            actual=metrics["grad_norm"],
+            tol=PARAM_TOL,
+        )
+        assert_close("lr", expected=g["adamw.lr"][i], actual=metrics["lr"], tol=LR_TOL)
+        assert not metrics["skipped"]
+
+
+def test_skip_step_decisions_match_olmo_core(golden):
+    g = golden("optim.safetensors")
+    cfg = _config()
+    state = optim.init({"x": jnp.zeros(1)}, cfg).skip
+    record = jax.jit(optim.record)
+    decide = jax.jit(
+        lambda s: optim.proceeds(
+            s, sigma=cfg.train.skip_step_sigma, window=cfg.train.skip_step_window
+        )
+    )
+    factors = []
+    for loss, norm in zip(g["skip.loss"], g["skip.grad_norm"], strict=True):
+        state = record(state, loss, norm)
+        factors.append(float(decide(state)))
+    np.testing.assert_array_equal(np.array(factors), g["skip.factor"])
+    assert np.flatnonzero(g["skip.factor"] == 0).tolist() == [70, 75]
+
+
+def test_skipped_step_changes_nothing_but_the_history(golden):
+    g = golden("optim.safetensors")
+    cfg = _config()
+    params = jax.tree.map(jnp.asarray, _params(g, 0))
+    state = optim.init(params, cfg)
+    for i in range(70):  # a flat history, then a loss 100 sigma above it
+        params, state, _ = optim.step(
+            params,
+            jax.tree.map(jnp.zeros_like, params),
+            state,
+            step=i,
+            loss=3.0 + 1e-3 * (i % 2),
+            cfg=cfg,
+        )
+    after, new_state, metrics = optim.step(params, _grads(g, 2), state, step=70, loss=4.0, cfg=cfg)
+    assert metrics["skipped"]
+    assert_close("params", expected=params, actual=after, tol=Tol(0.0, 0.0))
+    assert_close("adam", expected=state.adam, actual=new_state.adam, tol=Tol(0.0, 0.0))
