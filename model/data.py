@@ -229,7 +229,8 @@ class OlmoData:
         segment_ids_from_eos: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Global batch `step` as `ga_steps` micro-batches for `num_shards` data shards, each
-        output [ga_steps, I / ga_steps, S] int32 (see `shift_to_inputs_targets`).
+        output [ga_steps, I / ga_steps, S] int32 (see `shift_to_inputs_targets`), plus "labels"
+        (`olmo_labels`, what the loss takes).
 
         Micro-batch m holds the rows OLMo-core's data-parallel ranks r = 0..W-1 (W = num_shards)
         take for their micro-batch m, rank r's rows at [r * R:(r + 1) * R] (R = I / (W * ga_steps)),
@@ -248,6 +249,7 @@ class OlmoData:
         rows = np.stack([self.instance(int(k)) for k in ids.reshape(-1)])  # [I, S]
         rows = np.pad(rows, ((0, 0), (0, 1)), constant_values=LOOKAHEAD)  # [I, S + 1]
         batch = shift_to_inputs_targets(rows, segment_ids_from_eos=segment_ids_from_eos)
+        batch["labels"] = olmo_labels(batch["targets"], batch["targets_segmentation"])
         return {k: v.reshape(ga_steps, i // ga_steps, self.seq_len) for k, v in batch.items()}
 
     def batches(

@@ -11,7 +11,14 @@ import pytest
 
 from goldens.store import resolve
 from model.config import micro, olmo_core
-from model.data import LOOKAHEAD, DataError, OlmoData, shift_to_inputs_targets, token_dtype
+from model.data import (
+    LOOKAHEAD,
+    DataError,
+    OlmoData,
+    olmo_labels,
+    shift_to_inputs_targets,
+    token_dtype,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +76,7 @@ def test_micro_batches_are_olmo_core_s_rank_micro_batches(data, order, ga_steps,
             rank_rows = instances[r::num_shards][m * rows : (m + 1) * rows]
             rank_rows = np.pad(rank_rows, ((0, 0), (0, 1)), constant_values=LOOKAHEAD)
             expected = shift_to_inputs_targets(rank_rows, segment_ids_from_eos=256)
+            expected["labels"] = olmo_labels(expected["targets"], expected["targets_segmentation"])
             for key, value in expected.items():
                 np.testing.assert_array_equal(
                     batch[key][m, r * rows : (r + 1) * rows], value, err_msg=f"{key} m={m} r={r}"
