@@ -1,12 +1,20 @@
-"""`python -m bench [name ...]`: run the benchmarks (all by default) and print their figures."""
+"""`python -m bench [name ...]`: run the benchmarks (all by default) and print their figures.
+Like the tests, benchmarks see 8 simulated CPU devices."""
 
 import argparse
 import importlib
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 from rich.console import Console
 from rich.table import Table
 
-BENCHES = {"rms_norm": "bench.rms_norm", "kda_inverse": "bench.kda_inverse"}
+BENCHES = {
+    "rms_norm": "bench.rms_norm",
+    "kda_inverse": "bench.kda_inverse",
+    "memory": "bench.memory",
+}
 
 
 def main() -> None:
