@@ -21,6 +21,7 @@ COMPONENTS: dict[str, str] = {
     "kda": "goldens.kda",
     "data": "goldens.data",
     "segment_ids": "goldens.segment_ids",
+    "attention": "goldens.attention",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

@@ -42,6 +42,16 @@ def kda_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
     return entries
 
 
+def attention_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """`Attention` (olmo_core/nn/attention/__init__.py) <-> `model.attention.Attention`."""
+    entries = [Entry(f"{prefix}ssmax_scale", (*path, "ssmax_scale"))]
+    for name in ("q_norm", "k_norm"):
+        entries.append(Entry(f"{prefix}{name}.weight", (*path, name, "weight")))
+    for name in ("w_q", "w_k", "w_v", "w_g", "w_out"):
+        entries += _linear(f"{prefix}{name}", (*path, name))
+    return entries
+
+
 def _to_ours(array: np.ndarray, layout: str) -> np.ndarray:
     if layout == "linear":
         return array.T
