@@ -22,6 +22,7 @@ COMPONENTS: dict[str, str] = {
     "data": "goldens.data",
     "segment_ids": "goldens.segment_ids",
     "attention": "goldens.attention",
+    "router": "goldens.router",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

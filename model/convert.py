@@ -52,6 +52,12 @@ def attention_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
     return entries
 
 
+def router_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """`MoERouterV2` / `EmoRouterV2` (olmo_core/nn/moe/v2/) <-> `model.router.Router`; the weight
+    stays flat [E * d_model]."""
+    return [Entry(f"{prefix}weight", (*path, "weight"))]
+
+
 def _to_ours(array: np.ndarray, layout: str) -> np.ndarray:
     if layout == "linear":
         return array.T
