@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_RTOL
+from goldens.torch_layers import layer_vjp, to_numpy
 
 SEED = 5005
 D_MODEL = 64
@@ -74,14 +75,7 @@ def export() -> list[GoldenFile]:
     generator = torch.Generator().manual_seed(SEED)
     config, layer = _layer(generator)
     x = torch.randn(*X_SHAPE, generator=generator, requires_grad=True)
-    y = layer(x)
-    # scaled so that the weight gradients, sums over B*T tokens, are O(1) as in a token-mean loss
-    cotangent = torch.randn(y.shape, generator=generator) / (y.shape[0] * y.shape[1]) ** 0.5
-    (y * cotangent).sum().backward()
-    tensors = {"x": x, "y": y, "cotangent": cotangent, "grad.x": x.grad}
-    for name, p in layer.named_parameters():
-        tensors[f"param.{name}"] = p
-        tensors[f"grad.{name}"] = p.grad
+    tensors = layer_vjp(layer, x, generator)
     with torch.no_grad():
         cu_doc_lens = torch.tensor(DOC_BOUNDS, dtype=torch.int32)
         q, _, _ = layer._prepare_qkv(x[:1], cu_doc_lens=cu_doc_lens)
@@ -89,7 +83,7 @@ def export() -> list[GoldenFile]:
     return [
         GoldenFile(
             path="attention.safetensors",
-            tensors={k: v.detach().numpy().copy() for k, v in tensors.items()},
+            tensors=to_numpy(tensors),
             producer="olmo_core.nn.attention.Attention (torch backend); doc.q from its "
             "_prepare_qkv with cu_doc_lens",
             seeds={"torch": SEED},

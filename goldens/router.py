@@ -25,6 +25,7 @@ import numpy as np
 
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_RTOL
+from goldens.torch_layers import to_numpy, token_mean_cotangent
 from model.config import EmoConfig, MoEConfig, micro
 
 SEED = 6006
@@ -138,7 +139,7 @@ def _train_case(router, x, segment_ids, generator) -> dict:
     aux_loss = router.compute_aux_loss(*aux)
     if not torch.equal(aux_loss, router.lb_loss_weight * lb + router.z_loss_weight * z):
         raise RuntimeError("the router's own aux loss differs from its LB and z-loss functions")
-    cotangent = torch.randn(weights.shape, generator=generator) / (x.shape[0] * x.shape[1]) ** 0.5
+    cotangent = token_mean_cotangent(weights.shape, generator)
     tensors = {
         "pool_draws": draws,
         "pools": recorder.pools[0],
@@ -192,7 +193,7 @@ def export() -> list[GoldenFile]:
     return [
         GoldenFile(
             path="router.safetensors",
-            tensors={k: v.detach().numpy().copy() for k, v in tensors.items()},
+            tensors=to_numpy(tensors),
             producer="olmo_core.nn.moe.v2.emo_router.EmoRouterV2; olmo_core.nn.moe.loss "
             "load_balancing_loss, router_z_loss; olmo_core.ops.moe doc_sum_scatter, "
             "pool_keep_mask, segment_ids_from_eos",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import AttentionConfig
-from model.init import trunc_normal
+from model.init import linear
 from model.norms import RMSNorm
 
 
@@ -69,10 +69,6 @@ def causal_attention(
     return o.reshape(B, T, H, D).astype(q.dtype)
 
 
-def _linear(d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=trunc_normal(std), rngs=rngs)
-
-
 class Attention(nnx.Module):
     """x [B, T, d_model] -> [B, T, d_model]. `ignore_segment_ids` is
     `Flags.olmoe3_mixers_ignore_segment_ids`. `out_std` is w_out's init std (OLMo-core scales it
@@ -90,11 +86,11 @@ class Attention(nnx.Module):
     ):
         self.config, self.ignore_segment_ids = config, ignore_segment_ids
         H, Hkv, D = config.n_heads, config.n_kv_heads, config.head_dim
-        self.w_q = _linear(d_model, H * D, std, rngs)
-        self.w_k = _linear(d_model, Hkv * D, std, rngs)
-        self.w_v = _linear(d_model, Hkv * D, std, rngs)
-        self.w_g = _linear(d_model, H * D, std, rngs)
-        self.w_out = _linear(H * D, d_model, std if out_std is None else out_std, rngs)
+        self.w_q = linear(d_model, H * D, std, rngs)
+        self.w_k = linear(d_model, Hkv * D, std, rngs)
+        self.w_v = linear(d_model, Hkv * D, std, rngs)
+        self.w_g = linear(d_model, H * D, std, rngs)
+        self.w_out = linear(H * D, d_model, std if out_std is None else out_std, rngs)
         self.q_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(H, D))
         self.k_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(Hkv, D))
         self.ssmax_scale = nnx.Param(jnp.ones((H,), jnp.float32))
