@@ -23,6 +23,7 @@ COMPONENTS: dict[str, str] = {
     "segment_ids": "goldens.segment_ids",
     "attention": "goldens.attention",
     "router": "goldens.router",
+    "moe": "goldens.moe",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

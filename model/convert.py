@@ -58,6 +58,24 @@ def router_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
     return [Entry(f"{prefix}weight", (*path, "weight"))]
 
 
+def shared_expert_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """`SharedExperts` with one expert (olmo_core/nn/moe/v2/shared_experts.py) <->
+    `model.moe.SharedExpert`; both weights keep OLMo-core's layout."""
+    return [Entry(f"{prefix}{n}", (*path, n)) for n in ("w_up_gate", "w_down")]
+
+
+def moe_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """The MoE weights of an `OLMoDDPTransformerBlock` (block-level names) <->
+    `model.moe.LatentMoE`; routed expert weights keep OLMo-core's [E, 2H, L] and [E, H, L]."""
+    entries = router_entries(f"{prefix}routed_experts_router.", (*path, "routed_experts_router"))
+    entries += shared_expert_entries(f"{prefix}shared_experts.", (*path, "shared_experts"))
+    for name in ("w_up_gate", "w_down"):
+        entries.append(Entry(f"{prefix}routed_experts.{name}", (*path, "routed_experts", name)))
+    for name in ("latent_down_proj", "latent_up_proj"):
+        entries += _linear(f"{prefix}{name}", (*path, name))
+    return entries
+
+
 def _to_ours(array: np.ndarray, layout: str) -> np.ndarray:
     if layout == "linear":
         return array.T

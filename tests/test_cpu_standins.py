@@ -201,3 +201,32 @@ def test_async_copy_to_cpu_is_a_finished_copy():
     copy, stream, event = s.async_copy_to_cpu(counts, event=None)
     event.synchronize()
     assert stream is None and torch.equal(copy, counts) and copy.data_ptr() != counts.data_ptr()
+
+
+def test_block_moe_path_matches_a_token_loop():
+    """With every MoE stand-in installed, OLMo-core's own no-EP path in an OLMoDDPTransformerBlock
+    (host copy, streams, permute, grouped GEMM, unpermute) equals a loop over tokens and their
+    chosen experts through the latent projections, plus the shared expert (evaluation mode)."""
+    from goldens.moe import MoECut, build_block
+
+    s.install_moe()
+    block = build_block(torch.Generator().manual_seed(GEN)).eval()
+    cut, routing = MoECut(block), {}
+    block.routed_experts_router.register_forward_hook(
+        lambda module, args, out: routing.update(weights=out[0], indices=out[1])
+    )
+    x = _randn(1, 16, block.d_model, dtype=torch.float32)
+    with torch.no_grad():
+        block(x, segment_ids=torch.zeros(1, 16, dtype=torch.long))
+        m, experts = cut.m[0], block.routed_experts
+        z = block.latent_down_proj(m)
+        routed = torch.zeros_like(z)
+        for t in range(16):
+            for w, e in zip(routing["weights"][0, t], routing["indices"][0, t], strict=True):
+                up, gate = (z[t] @ experts.w_up_gate[e].T).chunk(2)
+                routed[t] += w * ((up * F.silu(gate)) @ experts.w_down[e])
+        up, gate = (m @ block.shared_experts.w_up_gate).chunk(2, dim=-1)
+        expected = (
+            block.latent_up_proj(routed) + (up * F.silu(gate)) @ block.shared_experts.w_down[0]
+        )
+    torch.testing.assert_close(cut.out[0], expected, rtol=1e-5, atol=1e-5)

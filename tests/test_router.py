@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from goldens.router import moe_config
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD
-from model.aux_losses import expert_counts, load_balancing_loss, router_z_loss
 from model.config import EmoConfig, MoEConfig, micro
 from model.convert import load_olmo_core, router_entries
+from model.moe import router_aux
 from model.router import (
     Router,
     document_ids_from_eos,
@@ -64,19 +64,15 @@ def _route_with_grads(graphdef, state, x, document_ids, pools, cotangent, loss_d
 
     def objectives(state, x):
         routing = nnx.merge(graphdef, state)(x, document_ids=document_ids, pools=pools)
-        counts = expert_counts(routing.indices, config.num_experts)
-        losses = {
-            "lb": load_balancing_loss(
-                num_experts=config.num_experts,
-                top_k=config.top_k,
-                expert_scores=routing.probs,
-                batch_size_per_expert=counts,
-                loss_div_factor=loss_div_factor,
-            ),
-            "z": router_z_loss(expert_logits=routing.logits, loss_div_factor=loss_div_factor),
-        }
+        aux = router_aux(
+            routing,
+            num_experts=config.num_experts,
+            top_k=config.top_k,
+            loss_div_factor=loss_div_factor,
+        )
+        losses = {"lb": aux.lb_loss, "z": aux.z_loss}
         values = {"weights": jnp.sum(routing.weights * cotangent), **losses}
-        return values, (routing, counts, values)
+        return values, (routing, aux.counts, values)
 
     grads, aux = jax.jacrev(objectives, argnums=(0, 1), has_aux=True)(state, x)
     return *aux, grads
@@ -106,6 +102,8 @@ def test_training_routing_matches_olmo_core(golden):
         float(g.entry["config"]["loss_div_factor"]),
     )
     np.testing.assert_array_equal(routing.indices, g["train.indices"])
+    unpooled = jax.lax.top_k(probs, router.config.top_k)[1]
+    assert np.any(unpooled != g["train.indices"]), "the pools change no choice: a weak golden"
     np.testing.assert_array_equal(counts, g["train.counts"])
     assert_close("weights", expected=g["train.weights"], actual=routing.weights, tol=FP32_FORWARD)
     assert_close(
