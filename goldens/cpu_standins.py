@@ -1,11 +1,19 @@
-"""CPU stand-ins for the GPU-only FLA kernels that OLMo-core's `KimiDeltaAttention` calls.
+"""CPU stand-ins for the GPU-only kernels that OLMo-core calls: FLA's in `KimiDeltaAttention`
+(`install()`) and the v2 MoE's in `OLMoDDPTransformerBlock` (`install_moe()`).
 
 fla-core 0.6.0 installs on a CPU-only machine, but every module that OLMo-core imports from it
 (`fla.modules`, `fla.modules.convolution`, `fla.ops.kda`) imports triton, and OLMo-core's
 `has_fla()` is False without triton. `install()` registers torch implementations under those
 module names and makes `has_fla()` true; FLA's own pure-torch reference `fla/ops/kda/naive.py`
-(no triton) is loaded by path and does the recurrence. `SUBSTITUTIONS` is what the manifest
-records. Each stand-in is tested in tests/test_cpu_standins.py.
+(no triton) is loaded by path and does the recurrence.
+
+OLMo-core's v2 MoE without expert parallelism (`olmo_core/nn/moe/v2/no_ep.py`) needs CUDA streams,
+a device-to-host copy of the expert counts, the `grouped_gemm` package (or torch's grouped_mm with
+counts on a GPU) and Transformer Engine's token permute / unpermute. `install_moe()` takes the
+host-side-counts path and puts torch code in the place of each.
+
+`SUBSTITUTIONS` and `MOE_SUBSTITUTIONS` are what the manifest records. Each stand-in is tested in
+tests/test_cpu_standins.py.
 """
 
 from __future__ import annotations
@@ -185,3 +193,78 @@ def install() -> None:
     from olmo_core.nn.attention import flash_linear_attn_api, kda
 
     flash_linear_attn_api.has_fla = kda.has_fla = lambda: True
+
+
+MOE_SUBSTITUTIONS = [
+    "olmo_core.nn.moe.v2.routed_experts: USE_TORCH_GROUPED_MM = False (the host-side expert counts "
+    "path; torch's grouped_mm path asserts the counts are on a GPU)",
+    "grouped_gemm.ops.gmm (CUDA package) -> torch: one matmul per expert over its rows",
+    "transformer_engine moe_permute / moe_unpermute (map_type='index') -> torch: rows sorted by "
+    "expert (stable, token order within an expert); unpermute = sum over k of prob * row",
+    "no_ep.async_copy_to_cpu (CUDA stream + pinned copy) -> a synchronous copy",
+    "CUDA streams: OLMoDDPTransformerBlock.get_dense_stream -> None (torch.cuda.stream(None) is a "
+    "no-op), no_ep.wait_stream_no_compile -> no-op, torch.cuda.current_stream -> None",
+]
+
+
+def grouped_gemm(a, b, batch_sizes, trans_b=False):
+    """`grouped_gemm.ops.gmm`: a [N, K] rows grouped by expert (batch_sizes [E] on the CPU, summing
+    to N); b [E, K, M], or [E, M, K] with trans_b. Returns [N, M], row i times its group's b."""
+    pieces, start = [], 0
+    for e, rows in enumerate(batch_sizes.tolist()):
+        w = b[e].transpose(0, 1) if trans_b else b[e]
+        pieces.append(a[start : start + rows] @ w)
+        start += rows
+    return torch.cat(pieces, 0)
+
+
+def moe_permute(inp, routing_map, num_out_tokens=-1, map_type="index", **_):
+    """Transformer Engine's `moe_permute` with `map_type="index"`: inp [N, H], routing_map [N, k]
+    expert ids -> (rows [N * k, H] sorted by expert, token order within an expert; row_id_map
+    [N * k], the flat (token, slot) index of each row)."""
+    if map_type != "index" or num_out_tokens not in (-1, routing_map.numel()):
+        raise NotImplementedError(f"map_type={map_type!r}, num_out_tokens={num_out_tokens}")
+    k = routing_map.shape[1]
+    row_id_map = torch.argsort(routing_map.reshape(-1), stable=True)
+    return inp[row_id_map // k], row_id_map
+
+
+def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="index", **_):
+    """Transformer Engine's `moe_unpermute` with `map_type="index"`: rows [N * k, H] in
+    `moe_permute`'s order -> [N, H], each token the sum over its k slots of prob * row, in
+    (at least) fp32."""
+    if map_type != "index" or merging_probs is None:
+        raise NotImplementedError(f"map_type={map_type!r} without merging_probs")
+    N, k = merging_probs.shape
+    slots = inp[torch.argsort(row_id_map)].view(N, k, -1)  # shape: [N * k, H] -> [N, k, H]
+    out = (_fp32(slots) * _fp32(merging_probs).unsqueeze(-1)).sum(1).to(inp.dtype)
+    return out if restore_shape is None else out.view(restore_shape)
+
+
+class _CopyDone:
+    """The event of a copy that has already happened."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def async_copy_to_cpu(gpu_buf, event=None, return_event=True):
+    """`olmo_core.nn.moe.utils.async_copy_to_cpu` on a CPU: a synchronous copy."""
+    return gpu_buf.clone(), None, _CopyDone() if return_event else None
+
+
+def install_moe() -> None:
+    """Put the MoE stand-ins in place (see `MOE_SUBSTITUTIONS`)."""
+    from olmo_core.nn.ddp.block import OLMoDDPTransformerBlock
+    from olmo_core.nn.moe import utils
+    from olmo_core.nn.moe.v2 import no_ep, routed_experts
+
+    routed_experts.USE_TORCH_GROUPED_MM = False
+    routed_experts.REQUIRES_HOST_SIDE_SPLIT_SIZES = True
+    routed_experts.gmm_no_compile = grouped_gemm
+    utils.moe_permute, utils.moe_unpermute = moe_permute, moe_unpermute
+    no_ep.async_copy_to_cpu = async_copy_to_cpu
+    no_ep.wait_stream_no_compile = lambda this_stream, other_stream: None
+    OLMoDDPTransformerBlock.get_dense_stream = lambda self, for_x1=False: None
+    if not torch.cuda.is_available():
+        torch.cuda.current_stream = lambda device=None: None

@@ -22,6 +22,9 @@ COMPONENTS: dict[str, str] = {
     "kda_trained": "goldens.kda_trained",
     "data": "goldens.data",
     "segment_ids": "goldens.segment_ids",
+    "attention": "goldens.attention",
+    "router": "goldens.router",
+    "moe": "goldens.moe",
     "optim": "goldens.optim",
     "loss": "goldens.loss",
 }

@@ -21,6 +21,7 @@ import sys
 from goldens.cpu_standins import SUBSTITUTIONS, fla_naive, install
 from goldens.store import GoldenFile
 from goldens.tolerances import KDA_FORWARD, KDA_GRAD, REGENERATE_RTOL
+from goldens.torch_layers import layer_vjp, to_numpy
 
 SEED = 4004
 D_MODEL, N_HEADS, HEAD_DIM, EXPAND_V = 64, 2, 32, 2.0
@@ -66,17 +67,9 @@ def export_layer(generator) -> GoldenFile:
 
     config, layer = _layer(generator)
     x = torch.randn(*LAYER_SHAPE, D_MODEL, generator=generator, requires_grad=True)
-    y = layer(x)
-    # scaled so that the weight gradients, sums over B*T tokens, are O(1) as in a token-mean loss
-    cotangent = torch.randn(y.shape, generator=generator) / (y.shape[0] * y.shape[1]) ** 0.5
-    (y * cotangent).sum().backward()
-    tensors = {"x": x, "y": y, "cotangent": cotangent, "grad.x": x.grad}
-    for name, p in layer.named_parameters():
-        tensors[f"param.{name}"] = p
-        tensors[f"grad.{name}"] = p.grad
     return GoldenFile(
         path="kda_layer.safetensors",
-        tensors={k: v.detach().numpy().copy() for k, v in tensors.items()},
+        tensors=to_numpy(layer_vjp(layer, x, generator)),
         producer="olmo_core.nn.attention.kda.KimiDeltaAttention",
         seeds={"torch": SEED},
         config={
@@ -159,7 +152,7 @@ def export_chunk(generator) -> GoldenFile:
     tensors.update({"long.o": o, "long.final_state": state})
     return GoldenFile(
         path="kda_chunk.safetensors",
-        tensors={k: v.detach().numpy().copy() for k, v in tensors.items()},
+        tensors=to_numpy(tensors),
         producer="fla.ops.kda.naive (naive_chunk_kda, naive_recurrent_kda), fla-core 0.6.0",
         seeds={"torch": SEED + 1},
         config={

@@ -66,6 +66,11 @@ class Golden:
             )
         return self.tensors[name]
 
+    def group(self, prefix: str) -> dict[str, np.ndarray]:
+        """The tensors whose names start with `prefix`, keyed by the rest of the name
+        (`group("param.")` is a state dict)."""
+        return {k.removeprefix(prefix): v for k, v in self.tensors.items() if k.startswith(prefix)}
+
 
 def _regenerate_hint(entry: dict[str, Any] | None) -> str:
     command = (entry or {}).get("command") or "python -m goldens.export"

@@ -42,6 +42,40 @@ def kda_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
     return entries
 
 
+def attention_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """`Attention` (olmo_core/nn/attention/__init__.py) <-> `model.attention.Attention`."""
+    entries = [Entry(f"{prefix}ssmax_scale", (*path, "ssmax_scale"))]
+    for name in ("q_norm", "k_norm"):
+        entries.append(Entry(f"{prefix}{name}.weight", (*path, name, "weight")))
+    for name in ("w_q", "w_k", "w_v", "w_g", "w_out"):
+        entries += _linear(f"{prefix}{name}", (*path, name))
+    return entries
+
+
+def router_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """`MoERouterV2` / `EmoRouterV2` (olmo_core/nn/moe/v2/) <-> `model.router.Router`; the weight
+    stays flat [E * d_model]."""
+    return [Entry(f"{prefix}weight", (*path, "weight"))]
+
+
+def shared_expert_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """`SharedExperts` with one expert (olmo_core/nn/moe/v2/shared_experts.py) <->
+    `model.moe.SharedExpert`; both weights keep OLMo-core's layout."""
+    return [Entry(f"{prefix}{n}", (*path, n)) for n in ("w_up_gate", "w_down")]
+
+
+def moe_entries(prefix: str = "", path: tuple = ()) -> list[Entry]:
+    """The MoE weights of an `OLMoDDPTransformerBlock` (block-level names) <->
+    `model.moe.LatentMoE`; routed expert weights keep OLMo-core's [E, 2H, L] and [E, H, L]."""
+    entries = router_entries(f"{prefix}routed_experts_router.", (*path, "routed_experts_router"))
+    entries += shared_expert_entries(f"{prefix}shared_experts.", (*path, "shared_experts"))
+    for name in ("w_up_gate", "w_down"):
+        entries.append(Entry(f"{prefix}routed_experts.{name}", (*path, "routed_experts", name)))
+    for name in ("latent_down_proj", "latent_up_proj"):
+        entries += _linear(f"{prefix}{name}", (*path, name))
+    return entries
+
+
 def _to_ours(array: np.ndarray, layout: str) -> np.ndarray:
     if layout == "linear":
         return array.T

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def trunc_normal(std: float):
@@ -20,3 +21,8 @@ def log_uniform(low: float, high: float):
         return jnp.log(jax.random.uniform(key, shape, dtype, low, high))
 
     return init
+
+
+def linear(d_in: int, d_out: int, std: float, rngs: nnx.Rngs, *, bias: bool = False) -> nnx.Linear:
+    """A linear layer, kernel [in, out] drawn `trunc_normal(std)`, bias (if any) zero."""
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=trunc_normal(std), rngs=rngs)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import KDAConfig
-from model.init import log_uniform, trunc_normal
+from model.init import linear, log_uniform, trunc_normal
 from model.kda_chunk import chunk_kda, kda_beta, kda_gate, l2_normalize
 from model.norms import rms_norm
 
@@ -45,10 +45,6 @@ class CausalConv1d(nnx.Module):
         return causal_conv1d(x, self.weight[...], segment_ids)
 
 
-def _linear(d_in: int, d_out: int, std: float, rngs: nnx.Rngs, *, bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=trunc_normal(std), rngs=rngs)
-
-
 class KimiDeltaAttention(nnx.Module):
     """x [B, T, d_model] -> [B, T, d_model]. `inverse` is `Flags.kda_inverse`;
     `ignore_segment_ids` is `Flags.olmoe3_mixers_ignore_segment_ids`. `out_std` is the output
@@ -67,21 +63,21 @@ class KimiDeltaAttention(nnx.Module):
     ):
         self.config, self.inverse, self.ignore_segment_ids = config, inverse, ignore_segment_ids
         H, dk, dv = config.n_heads, config.head_dim, config.head_v_dim
-        self.w_q = _linear(d_model, H * dk, std, rngs)
-        self.w_k = _linear(d_model, H * dk, std, rngs)
-        self.w_v = _linear(d_model, H * dv, std, rngs)
+        self.w_q = linear(d_model, H * dk, std, rngs)
+        self.w_k = linear(d_model, H * dk, std, rngs)
+        self.w_v = linear(d_model, H * dv, std, rngs)
         self.q_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, rngs=rngs)
         self.k_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, rngs=rngs)
         self.v_conv1d = CausalConv1d(H * dv, config.conv_size, std=std, rngs=rngs)
-        self.f_proj_1 = _linear(d_model, dv, std, rngs)
-        self.f_proj_2 = _linear(dv, H * dk, std, rngs)
-        self.w_b = _linear(d_model, H, std, rngs)
+        self.f_proj_1 = linear(d_model, dv, std, rngs)
+        self.f_proj_2 = linear(dv, H * dk, std, rngs)
+        self.w_b = linear(d_model, H, std, rngs)
         self.A_log = nnx.Param(log_uniform(1.0, 16.0)(rngs.params(), (H,)))
         self.dt_bias = nnx.Param(jnp.zeros((H * dk,), jnp.float32))
-        self.g_proj_1 = _linear(d_model, dv, std, rngs)
-        self.g_proj_2 = _linear(dv, H * dv, std, rngs, bias=True)
+        self.g_proj_1 = linear(d_model, dv, std, rngs)
+        self.g_proj_2 = linear(dv, H * dv, std, rngs, bias=True)
         self.o_norm = nnx.Param(jnp.ones((dv,), jnp.float32))
-        self.w_out = _linear(H * dv, d_model, std if out_std is None else out_std, rngs)
+        self.w_out = linear(H * dv, d_model, std if out_std is None else out_std, rngs)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         c = self.config

@@ -1,6 +1,7 @@
-"""The exporter's CPU stand-ins for FLA's GPU-only kernels (goldens/cpu_standins.py), each against
-an independent reference: OLMo-core's RMSNorm, torch's Conv1d (which OLMo-core's CausalConv1d
-subclasses), FLA's naive_chunk_kda; backward by fp64 gradcheck; documents of cu_seqlens isolated."""
+"""The exporter's CPU stand-ins (goldens/cpu_standins.py), each against an independent reference.
+FLA's kernels: OLMo-core's RMSNorm, torch's Conv1d (which OLMo-core's CausalConv1d subclasses),
+FLA's naive_chunk_kda; documents of cu_seqlens isolated. The v2 MoE's: grouped GEMM against
+per-row weights, TE permute / unpermute against a loop over tokens. Backward by fp64 gradcheck."""
 
 import torch
 import torch.nn.functional as F
@@ -118,3 +119,114 @@ def test_in_kernel_l2norm_and_gate_gradcheck():
     q, _, _, raw, _, a_log, dt_bias = (x.requires_grad_() for x in _kda_inputs(5, torch.float64))
     assert torch.autograd.gradcheck(s.l2_normalize, (q,))
     assert torch.autograd.gradcheck(s.kda_gate, (raw, a_log, dt_bias))
+
+
+def _routing(N, k, E, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(GEN)
+    routing_map = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    probs = torch.rand(N, k, generator=gen, dtype=dtype)
+    return routing_map, probs
+
+
+def test_grouped_gemm_matches_per_row_weights():
+    """Row i of the output is row i times the weight of its group; an empty group is skipped."""
+    a, batch_sizes = _randn(9, 4), torch.tensor([3, 0, 6])
+    group = torch.repeat_interleave(torch.arange(3), batch_sizes)
+    for trans_b, b in ((False, _randn(3, 4, 5)), (True, _randn(3, 5, 4))):
+        w = b.transpose(1, 2) if trans_b else b
+        expected = torch.einsum("nk,nkm->nm", a, w[group])
+        torch.testing.assert_close(s.grouped_gemm(a, b, batch_sizes, trans_b), expected)
+
+
+def test_grouped_gemm_gradcheck():
+    a, b = _randn(7, 3).requires_grad_(), _randn(2, 4, 3).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a, b: s.grouped_gemm(a, b, torch.tensor([5, 2]), trans_b=True), (a, b)
+    )
+
+
+def _expert_scale(rows, row_id_map, routing_map):
+    """An expert-specific map of permuted rows: row * (expert + 1)."""
+    experts = routing_map.reshape(-1)[row_id_map]
+    return rows * (experts + 1).unsqueeze(-1).to(rows.dtype)
+
+
+def test_permute_groups_rows_by_expert_in_token_order():
+    x = _randn(6, 3)
+    routing_map, _ = _routing(6, 2, 4)
+    rows, row_id_map = s.moe_permute(inp=x, routing_map=routing_map, map_type="index")
+    experts = routing_map.reshape(-1)[row_id_map]
+    assert torch.all(experts[1:] >= experts[:-1])
+    for e in range(4):
+        tokens = row_id_map[experts == e] // 2
+        assert torch.all(tokens[1:] > tokens[:-1])
+    torch.testing.assert_close(rows, x[row_id_map // 2], rtol=0, atol=0)
+
+
+def test_permute_unpermute_match_a_token_loop():
+    """permute -> an expert-specific map -> unpermute gives each token the prob-weighted sum of
+    its experts' results, as a plain loop over tokens and slots."""
+    x = _randn(6, 3)
+    routing_map, probs = _routing(6, 2, 4)
+    rows, row_id_map = s.moe_permute(inp=x, routing_map=routing_map, map_type="index")
+    out = s.moe_unpermute(
+        inp=_expert_scale(rows, row_id_map, routing_map),
+        row_id_map=row_id_map,
+        merging_probs=probs,
+        restore_shape=x.shape,
+        map_type="index",
+    )
+    expected = torch.stack(
+        [sum(probs[t, j] * (routing_map[t, j] + 1) * x[t] for j in range(2)) for t in range(6)]
+    )
+    torch.testing.assert_close(out, expected)
+
+
+def test_permute_unpermute_gradcheck():
+    routing_map, probs = _routing(5, 2, 3)
+    x = _randn(5, 3).requires_grad_()
+
+    def combine(x, probs):
+        rows, row_id_map = s.moe_permute(inp=x, routing_map=routing_map, map_type="index")
+        rows = _expert_scale(rows, row_id_map, routing_map)
+        return s.moe_unpermute(
+            inp=rows, row_id_map=row_id_map, merging_probs=probs, map_type="index"
+        )
+
+    assert torch.autograd.gradcheck(combine, (x, probs.requires_grad_()))
+
+
+def test_async_copy_to_cpu_is_a_finished_copy():
+    counts = torch.tensor([3, 0, 6])
+    copy, stream, event = s.async_copy_to_cpu(counts, event=None)
+    event.synchronize()
+    assert stream is None and torch.equal(copy, counts) and copy.data_ptr() != counts.data_ptr()
+
+
+def test_block_moe_path_matches_a_token_loop():
+    """With every MoE stand-in installed, OLMo-core's own no-EP path in an OLMoDDPTransformerBlock
+    (host copy, streams, permute, grouped GEMM, unpermute) equals a loop over tokens and their
+    chosen experts through the latent projections, plus the shared expert (evaluation mode)."""
+    from goldens.moe import MoECut, build_block
+
+    s.install_moe()
+    block = build_block(torch.Generator().manual_seed(GEN)).eval()
+    cut, routing = MoECut(block), {}
+    block.routed_experts_router.register_forward_hook(
+        lambda module, args, out: routing.update(weights=out[0], indices=out[1])
+    )
+    x = _randn(1, 16, block.d_model, dtype=torch.float32)
+    with torch.no_grad():
+        block(x, segment_ids=torch.zeros(1, 16, dtype=torch.long))
+        m, experts = cut.m[0], block.routed_experts
+        z = block.latent_down_proj(m)
+        routed = torch.zeros_like(z)
+        for t in range(16):
+            for w, e in zip(routing["weights"][0, t], routing["indices"][0, t], strict=True):
+                up, gate = (z[t] @ experts.w_up_gate[e].T).chunk(2)
+                routed[t] += w * ((up * F.silu(gate)) @ experts.w_down[e])
+        up, gate = (m @ block.shared_experts.w_up_gate).chunk(2, dim=-1)
+        expected = (
+            block.latent_up_proj(routed) + (up * F.silu(gate)) @ block.shared_experts.w_down[0]
+        )
+    torch.testing.assert_close(cut.out[0], expected, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ from model.convert import kda_entries, load_olmo_core, params_to_olmo_core
 from model.kda import KimiDeltaAttention
 from model.kda_chunk import chunk_kda, invert_unit_lower, kda_chunk_system, recurrent_kda
 from tests.compare import assert_close
+from tests.modules import apply, module_vjp
 
 INPUTS = ("q", "k", "v", "g", "beta")
 
@@ -79,26 +80,14 @@ def _olmo_core_layer(golden, **flags):
         ignore_segment_ids=flags.get("ignore_segment_ids", True),
         rngs=nnx.Rngs(0),
     )
-    params = {k.removeprefix("param."): v for k, v in g.tensors.items() if k.startswith("param.")}
-    load_olmo_core(layer, params, kda_entries())
+    load_olmo_core(layer, g.group("param."), kda_entries())
     return g, layer
-
-
-def _layer_vjp(layer, x, cotangent):
-    graphdef, params = nnx.split(layer)
-    return _vjp(graphdef, params, x, cotangent)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _vjp(graphdef, params, x, cotangent):
-    y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
-    return y, vjp(cotangent)
 
 
 def test_layer_matches_olmo_core(golden):
     """OLMo-core's KimiDeltaAttention weights in our layer: output, input and weight grads."""
     g, layer = _olmo_core_layer(golden)
-    y, (grad_layer, grad_x) = _layer_vjp(layer, g["x"], g["cotangent"])
+    y, (grad_layer, grad_x) = module_vjp(layer, g["x"], g["cotangent"])
     assert_close("y", expected=g["y"], actual=y, tol=KDA_FORWARD)
     assert_close("grad.x", expected=g["grad.x"], actual=grad_x, tol=KDA_GRAD)
     grads = params_to_olmo_core(grad_layer, kda_entries())
@@ -124,11 +113,6 @@ def test_chunk_segments_restart_like_separate_documents(golden):
     assert_close("final_state", expected=state, actual=final, tol=SEPARATE_RUNS)
 
 
-@jax.jit
-def _apply(graphdef, params, x, segment_ids):
-    return nnx.merge(graphdef, params)(x, segment_ids)
-
-
 def test_layer_segments_restart_like_separate_documents(golden):
     """Without olmoe3_mixers_ignore_segment_ids, four documents of 48 tokens in one row (across
     chunk boundaries) each get the layer output they have alone, convolution included; with the
@@ -136,9 +120,9 @@ def test_layer_segments_restart_like_separate_documents(golden):
     x = golden("kda_layer.safetensors")["x"][:1, :192]
     seg = np.repeat(np.arange(4), 48)[None]
     for ignore in (False, True):
-        graphdef, params = nnx.split(_olmo_core_layer(golden, ignore_segment_ids=ignore)[1])
-        in_row = _apply(graphdef, params, x, seg)
-        alone = _apply(graphdef, params, x.reshape(4, 48, -1), np.zeros((4, 48), np.int64))
+        layer = _olmo_core_layer(golden, ignore_segment_ids=ignore)[1]
+        in_row = apply(layer, x, seg)
+        alone = apply(layer, x.reshape(4, 48, -1), np.zeros((4, 48), np.int64))
         if ignore:
             assert not np.allclose(in_row[0, 48:], alone.reshape(192, -1)[48:], atol=1e-3)
         else:

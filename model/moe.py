@@ -1,0 +1,155 @@
+"""The latent MoE feed-forward with a shared expert, as OLMo-core's v2 MoE in an
+`OLMoDDPTransformerBlock` without expert parallelism (olmo_core/nn/ddp/block.py,
+nn/moe/v2/{routed_experts,shared_experts,no_ep}.py, 3.0.0):
+
+    routing = router(m)                                    (model space, EMO pools; model.router)
+    y = latent_up_proj(sum_k weight_k * SwiGLU_{e_k}(latent_down_proj(m)))  +  SwiGLU_shared(m)
+    SwiGLU_e(z) = (up * silu(gate)) @ w_down[e],  [up | gate] = z @ w_up_gate[e]^T
+
+Dropless: every token reaches all its k experts. `routed_experts` sorts the token slots by expert
+and runs grouped matmuls (`jax.lax.ragged_dot`, OLMo-core's grouped GEMM); `naive_routed_experts`,
+every expert on every token, is its spec. The per-layer router losses are returned unweighted.
+Weights keep OLMo-core's layouts: routed w_up_gate [E, 2H, L], w_down [E, H, L]; shared w_up_gate
+[D, 2H], w_down [1, H, D]; the latent projections are linear kernels [in, out]. The shared expert
+alone is also the dense feed-forward of block 0 (OLMo-core builds it as a shared-experts block).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.aux_losses import expert_counts, load_balancing_loss, router_z_loss
+from model.config import MoEConfig
+from model.init import linear, trunc_normal
+from model.router import Router, Routing
+
+
+def swiglu(up_gate: jax.Array) -> jax.Array:
+    """[..., 2H] -> [..., H]: up * silu(gate), up the first half (OLMo-core's chunk order)."""
+    up, gate = jnp.split(up_gate, 2, axis=-1)
+    return up * jax.nn.silu(gate)
+
+
+def naive_routed_experts(
+    z: jax.Array, indices: jax.Array, weights: jax.Array, w_up_gate: jax.Array, w_down: jax.Array
+) -> jax.Array:
+    """The spec: every expert on every token, then each token's k results combined.
+
+    z: [N, L]; indices, weights: [N, k]; w_up_gate: [E, 2H, L]; w_down: [E, H, L]. Returns [N, L].
+    """
+    h = swiglu(jnp.einsum("nl,ehl->enh", z, w_up_gate))  # shape: [E, N, H]
+    out = jnp.einsum("enh,ehl->enl", h, w_down)
+    chosen = out[indices, jnp.arange(z.shape[0])[:, None]]  # shape: [E, N, L] -> [N, k, L]
+    return jnp.sum(weights[..., None] * chosen, axis=1)
+
+
+def routed_experts(
+    z: jax.Array, indices: jax.Array, weights: jax.Array, w_up_gate: jax.Array, w_down: jax.Array
+) -> jax.Array:
+    """Dropless grouped dispatch, same arguments and result as `naive_routed_experts`: token slots
+    sorted by expert (stable), two grouped matmuls, slots put back and summed over k."""
+    N, k = indices.shape
+    E = w_up_gate.shape[0]
+    flat = indices.reshape(-1)  # shape: [N*k], slot s = token s // k
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    rows = z[order // k]  # shape: [N*k, L], grouped by expert
+    h = swiglu(jax.lax.ragged_dot(rows, jnp.swapaxes(w_up_gate, 1, 2), group_sizes))
+    out = jax.lax.ragged_dot(h, w_down, group_sizes)  # shape: [N*k, L]
+    slots = out[jnp.argsort(order)].reshape(N, k, -1)
+    return jnp.sum(weights[..., None] * slots, axis=1)
+
+
+class RoutedExperts(nnx.Module):
+    """E SwiGLU experts of hidden H on width L; `__call__(z [B, T, L], routing)` -> [B, T, L]."""
+
+    def __init__(self, num_experts: int, width: int, hidden: int, *, rngs: nnx.Rngs):
+        init = trunc_normal(0.02)
+        self.w_up_gate = nnx.Param(init(rngs.params(), (num_experts, 2 * hidden, width)))
+        self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, width)))
+
+    def __call__(self, z: jax.Array, routing: Routing) -> jax.Array:
+        B, T, L = z.shape
+        k = routing.indices.shape[-1]
+        y = routed_experts(
+            z.reshape(B * T, L),
+            routing.indices.reshape(B * T, k),
+            routing.weights.reshape(B * T, k).astype(z.dtype),
+            self.w_up_gate[...],
+            self.w_down[...],
+        )
+        return y.reshape(B, T, L)
+
+
+class SharedExpert(nnx.Module):
+    """One SwiGLU expert applied to every token: x [..., D] -> [..., D]."""
+
+    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs):
+        init = trunc_normal(0.02)
+        self.w_up_gate = nnx.Param(init(rngs.params(), (d_model, 2 * hidden)))
+        self.w_down = nnx.Param(init(rngs.params(), (1, hidden, d_model)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return swiglu(x @ self.w_up_gate[...]) @ self.w_down[0]
+
+
+class MoEAux(NamedTuple):
+    """One MoE layer's router losses (unweighted) and expert counts."""
+
+    lb_loss: jax.Array
+    z_loss: jax.Array
+    counts: jax.Array
+    """[E] int32 token slots per routed expert."""
+
+
+def router_aux(routing: Routing, *, num_experts: int, top_k: int, loss_div_factor=None) -> MoEAux:
+    """The load-balancing loss, router z-loss and expert counts of one routing."""
+    counts = expert_counts(routing.indices, num_experts)
+    lb_loss = load_balancing_loss(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_scores=routing.probs,
+        batch_size_per_expert=counts,
+        loss_div_factor=loss_div_factor,
+    )
+    z_loss = router_z_loss(expert_logits=routing.logits, loss_div_factor=loss_div_factor)
+    return MoEAux(lb_loss, z_loss, counts)
+
+
+class LatentMoE(nnx.Module):
+    """m [B, T, d_model] (the feed-forward input, after its norm) -> (y [B, T, d_model], MoEAux).
+
+    `document_ids`, `pools`: as `Router` (EMO). `loss_div_factor`: the aux losses' divisor
+    (None: B*T). Children carry OLMo-core's block-level names."""
+
+    def __init__(self, config: MoEConfig, d_model: int, *, rngs: nnx.Rngs):
+        if config.shared_expert_hidden is None:
+            raise NotImplementedError("LatentMoE without a shared expert")
+        self.config = config
+        self.routed_experts_router = Router(config, d_model, rngs=rngs)
+        self.latent_down_proj = linear(d_model, config.latent_dim, 0.02, rngs)
+        self.routed_experts = RoutedExperts(
+            config.num_experts, config.latent_dim, config.expert_hidden, rngs=rngs
+        )
+        self.latent_up_proj = linear(config.latent_dim, d_model, 0.02, rngs)
+        self.shared_experts = SharedExpert(d_model, config.shared_expert_hidden, rngs=rngs)
+
+    def __call__(
+        self,
+        m: jax.Array,
+        *,
+        document_ids: jax.Array | None = None,
+        pools: jax.Array | None = None,
+        loss_div_factor=None,
+    ) -> tuple[jax.Array, MoEAux]:
+        c = self.config
+        routing = self.routed_experts_router(m, document_ids=document_ids, pools=pools)
+        routed = self.latent_up_proj(self.routed_experts(self.latent_down_proj(m), routing))
+        aux = router_aux(
+            routing, num_experts=c.num_experts, top_k=c.top_k, loss_div_factor=loss_div_factor
+        )
+        return routed + self.shared_experts(m), aux

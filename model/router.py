@@ -1,0 +1,131 @@
+"""The MoE router with EMO document expert pools, as OLMo-core's `MoERouterV2` and `EmoRouterV2`
+(olmo_core/nn/moe/v2/router.py, emo_router.py; olmo_core/ops/moe.py; 3.0.0), softmax gating.
+
+    probs = softmax(W x)                          (float32, over all E experts)
+    EMO: document score = sum of probs over every token of the document (future tokens too);
+         each document keeps its top-`pool` experts, the others are masked before top-k
+    indices = top_k(probs, masked); weights = probs[indices]    (the unmasked probabilities)
+    weights = weights / sum(weights) * top_k      (normalize_expert_weights, restore_weight_scale)
+
+Documents come from EOS (`document_ids_from_eos`). Pools are one number per document: OLMo-core's
+draw tensor [B, T] (document d of a row uses column d), `draw_pools` from a JAX key, or the eval
+pool. The weight is OLMo-core's flat [E * d_model].
+
+Ties: pool ranks put the lower expert index first on equal document scores, as OLMo-core's
+`argsort(descending=True)` does on a CPU for E <= 16 (an insertion sort; for larger E its order of
+equal scores has no simple rule); top-k takes the lower index first. Exact ties between router
+probabilities do not occur on real inputs; `tests/test_router.py` checks the pool ties against
+OLMo-core's `pool_keep_mask`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import EmoConfig, MoEConfig
+from model.init import trunc_normal
+
+
+class Routing(NamedTuple):
+    """What the router gives the experts and the aux losses."""
+
+    weights: jax.Array
+    """[B, T, k] float32 combine weights of the chosen experts."""
+    indices: jax.Array
+    """[B, T, k] int32 chosen experts, by decreasing probability."""
+    probs: jax.Array
+    """[B, T, E] float32 softmax over all experts (the load-balancing loss's scores)."""
+    logits: jax.Array
+    """[B, T, E] float32 (the router z-loss's input)."""
+
+
+def document_ids_from_eos(input_ids: jax.Array, *, eos_token_id: int) -> jax.Array:
+    """[B, T] ids -> [B, T] int32 document index per row from 0, an EOS closing its own document:
+    `eos.cumsum() - eos` (OLMo-core's `segment_ids_from_eos`)."""
+    eos = (input_ids == eos_token_id).astype(jnp.int32)
+    return jnp.cumsum(eos, axis=-1, dtype=jnp.int32) - eos
+
+
+def draw_pools(key: jax.Array, shape: tuple[int, int], *, emo: EmoConfig) -> jax.Array:
+    """Per-document pool sizes uniform in [min_pool, max_pool]: [B, T] int32, column d for
+    document d (OLMo-core draws the same shape with `torch.randint`)."""
+    return jax.random.randint(key, shape, emo.min_pool, emo.max_pool + 1, jnp.int32)
+
+
+def token_pools(pools: jax.Array | None, document_ids: jax.Array, *, emo: EmoConfig) -> jax.Array:
+    """Each token's pool: [B, T] int32 from per-document pools [B, T] (None: the eval pool)."""
+    if pools is None:
+        return jnp.full(document_ids.shape, emo.eval_pool, jnp.int32)
+    return jnp.take_along_axis(pools.astype(jnp.int32), document_ids, axis=1)
+
+
+def document_scores(probs: jax.Array, document_ids: jax.Array) -> jax.Array:
+    """probs [B, T, E], document_ids [B, T] -> [B, T, E]: each token gets the sum of probs over
+    its whole document (OLMo-core's `doc_sum_scatter`, summed in token order)."""
+    B = probs.shape[0]
+    rows = jnp.arange(B)[:, None]
+    sums = jnp.zeros_like(probs).at[rows, document_ids].add(probs)  # shape: [B, docs <= T, E]
+    return sums[rows, document_ids]
+
+
+def pool_keep_mask(scores: jax.Array, pools: jax.Array) -> jax.Array:
+    """scores [B, T, E], pools [B, T] -> bool [B, T, E]: expert ranks (by decreasing score, lower
+    index first on ties) below the token's pool (OLMo-core's `pool_keep_mask`)."""
+    order = jnp.argsort(scores, axis=-1, descending=True, stable=True)
+    ranks = jnp.argsort(order, axis=-1, stable=True)
+    return ranks < pools[..., None]
+
+
+def route(
+    logits: jax.Array, *, top_k: int, normalize: bool, restore_weight_scale: bool, keep=None
+) -> Routing:
+    """Softmax top-k routing of float32 logits [B, T, E]; `keep` [B, T, E] bool masks experts
+    before top-k (EMO), the weights stay the unmasked probabilities."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    selection = probs if keep is None else jnp.where(keep, probs, -jnp.inf)
+    _, indices = jax.lax.top_k(selection, top_k)  # shape: [B, T, E] -> [B, T, k]
+    weights = jnp.take_along_axis(probs, indices, axis=-1)
+    if normalize:  # F.normalize(p=1): w / max(|w|_1, 1e-12)
+        weights = weights / jnp.maximum(jnp.sum(jnp.abs(weights), -1, keepdims=True), 1e-12)
+    if restore_weight_scale:
+        weights = weights * top_k
+    return Routing(weights, indices.astype(jnp.int32), probs, logits)
+
+
+class Router(nnx.Module):
+    """x [B, T, d_model] -> `Routing`. With `config.emo`, `document_ids` [B, T] are required and
+    `pools` are the per-document pool sizes [B, T] (training) or None (evaluation: eval pool)."""
+
+    def __init__(self, config: MoEConfig, d_model: int, *, rngs: nnx.Rngs):
+        self.config, self.d_model = config, d_model
+        self.weight = nnx.Param(trunc_normal(0.02)(rngs.params(), (config.num_experts * d_model,)))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        document_ids: jax.Array | None = None,
+        pools: jax.Array | None = None,
+    ) -> Routing:
+        c = self.config
+        w = self.weight[...].reshape(c.num_experts, self.d_model).astype(jnp.float32)
+        logits = x.astype(jnp.float32) @ w.T  # shape: [B, T, D] -> [B, T, E]
+        keep = None
+        if c.emo is not None:
+            if document_ids is None:
+                raise ValueError("EMO routing needs document_ids [B, T]")
+            doc_scores = document_scores(jax.nn.softmax(logits, axis=-1), document_ids)
+            keep = pool_keep_mask(doc_scores, token_pools(pools, document_ids, emo=c.emo))
+        elif pools is not None:
+            raise ValueError("pools given to a router without EMO")
+        return route(
+            logits,
+            top_k=c.top_k,
+            normalize=c.normalize_expert_weights,
+            restore_weight_scale=c.restore_weight_scale,
+            keep=keep,
+        )
