@@ -110,13 +110,9 @@ def router_aux(routing: Routing, *, num_experts: int, top_k: int, loss_div_facto
     """The load-balancing loss, router z-loss and expert counts of one routing."""
     counts = expert_counts(routing.indices, num_experts)
     lb_loss = load_balancing_loss(
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_scores=routing.probs,
-        batch_size_per_expert=counts,
-        loss_div_factor=loss_div_factor,
+        routing.probs, counts, top_k=top_k, loss_div_factor=loss_div_factor
     )
-    z_loss = router_z_loss(expert_logits=routing.logits, loss_div_factor=loss_div_factor)
+    z_loss = router_z_loss(routing.logits, loss_div_factor=loss_div_factor)
     return MoEAux(lb_loss, z_loss, counts)
 
 
