@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from goldens.tolerances import Tol
@@ -68,6 +69,32 @@ def test_reported_losses_are_the_batch_means():
         "z_loss": c.micro().train.z_loss_weight * (lse[keep] ** 2).mean(),
     }
     assert_close("terms", expected=expected, actual=terms, tol=GA_INVARIANT)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_ga_reports_router_losses_once_per_batch(reduction):
+    """LB is a per-micro-batch statistic (counts times mean scores), so GA changes it unless the
+    micro-batches are alike: with the same 2 rows in every micro-batch, GA = 1, 2 and 4 report
+    the same LB and router z-loss (the seed's bug reported them GA times too large) and give the
+    same gradients, for either reduction over the routers."""
+    params, rows = small_lm.params_and_rows(vocab=64, d_model=16, rows=2, seq_len=T, routers=3)
+    rows = {k: np.tile(v, (4, 1)) for k, v in rows.items()}
+    cfg = c.olmo_core(c.micro())
+    cfg = c.dataclasses.replace(
+        cfg, flags=c.dataclasses.replace(cfg.flags, moe_aux_loss_reduction=reduction)
+    )
+    accumulate = jax.jit(
+        lambda p, mb: ts.accumulate(p, mb, cfg=cfg, terms_fn=small_lm_terms), static_argnums=()
+    )
+    expected = accumulate(params, _micro(rows, 1))
+    assert set(expected[1]) == {"ce", "z_loss", "lb_loss", "router_z_loss"}
+    for ga in (2, 4):
+        assert_close(
+            f"GA={ga}",
+            expected=expected,
+            actual=accumulate(params, _micro(rows, ga)),
+            tol=GA_INVARIANT,
+        )
 
 
 def test_aux_reduction_sum_and_mean():
