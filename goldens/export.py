@@ -27,6 +27,7 @@ COMPONENTS: dict[str, str] = {
     "moe": "goldens.moe",
     "optim": "goldens.optim",
     "loss": "goldens.loss",
+    "model": "goldens.model",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 
