@@ -28,6 +28,7 @@ COMPONENTS: dict[str, str] = {
     "optim": "goldens.optim",
     "loss": "goldens.loss",
     "model": "goldens.model",
+    "blocks": "goldens.blocks",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS
 from goldens.router import PoolRecorder
 from goldens.store import GoldenFile, load_golden
 from goldens.tolerances import MODEL_GRAD_OF_NORM, MODEL_LOGITS, MODEL_LOSS, REGENERATE_RTOL
@@ -39,6 +40,7 @@ ROW_STARTS = (1000, 20000)
 EOS_POSITIONS = ((0, 50, 51, 130, 200), (77, 160))
 LB_WEIGHT, ROUTER_Z_WEIGHT, Z_LOSS_WEIGHT = 0.01, 1e-5, 1e-5
 IGNORE_INDEX = -100
+STANDINS = SUBSTITUTIONS + MOE_SUBSTITUTIONS
 
 
 def trained_like_weights(shapes: dict[str, tuple[int, ...]], *, d_model: int) -> dict:
@@ -97,11 +99,12 @@ def _load_balancing_group(model) -> None:
         block.routed_experts_router.set_load_balancing_process_group(dist.group.WORLD)
 
 
-def export() -> list[GoldenFile]:
+def prepared_model():
+    """OLMo-core's micro model with the trained-like weights and the load-balancing group, in
+    training mode."""
     import torch
 
-    from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS
-    from goldens.olmo_core_model import build, model_config
+    from goldens.olmo_core_model import build
 
     cfg = micro().model
     model = build(cfg, lb_loss_weight=LB_WEIGHT, router_z_loss_weight=ROUTER_Z_WEIGHT)
@@ -109,13 +112,22 @@ def export() -> list[GoldenFile]:
     weights = trained_like_weights(shapes, d_model=cfg.d_model)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
     _load_balancing_group(model)
+    return model.train()
+
+
+def export() -> list[GoldenFile]:
+    import torch
+
+    from goldens.olmo_core_model import model_config
+
+    cfg = micro().model
+    model = prepared_model()
     routers = [b.routed_experts_router for b in model.routed_blocks()]
     recorders = [PoolRecorder(r) for r in routers]
     ids_np, labels_np = batch()
     ids, labels = torch.from_numpy(ids_np), torch.from_numpy(labels_np)
     div = float((labels_np != IGNORE_INDEX).sum())
 
-    model.train()
     torch.manual_seed(DRAW_SEED)
     out = model(
         ids,
@@ -167,7 +179,7 @@ def export() -> list[GoldenFile]:
             "grad_of_norm": MODEL_GRAD_OF_NORM,
             "regenerate_rtol": REGENERATE_RTOL,
         },
-        "substitutions": SUBSTITUTIONS + MOE_SUBSTITUTIONS,
+        "substitutions": STANDINS,
     }
     files = [GoldenFile(path="model_train.safetensors", tensors=to_numpy(train), **common)]
     files += [

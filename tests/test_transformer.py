@@ -11,26 +11,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from goldens.model import trained_like_weights
 from goldens.tolerances import MODEL_GRAD_OF_NORM, MODEL_LOGITS, MODEL_LOSS, Tol
-from model.config import micro
-from model.convert import from_olmo_core, model_entries, params_to_olmo_core
+from model.convert import model_entries, params_to_olmo_core
 from model.data import IGNORE_INDEX
 from model.loss import cross_entropy_sums
 from tests.compare import assert_close
-
-CFG = micro().model
+from tests.micro_olmo_core import CFG, golden_gradients, olmo_core_model
 
 
 @pytest.fixture(scope="module")
 def olmo_core(golden):
     """(train golden, golden gradients by OLMo-core key, our model with OLMo-core's weights)."""
     train = golden("model_train.safetensors")
-    grads = {}
-    for n in range(CFG.n_layers):
-        grads.update(golden(f"model_grads_{n}.safetensors").group("grad."))
-    shapes = {k: v.shape for k, v in grads.items()}
-    return train, grads, from_olmo_core(trained_like_weights(shapes, d_model=CFG.d_model), CFG)
+    return train, golden_gradients(golden), olmo_core_model(golden)
 
 
 @functools.partial(jax.jit, static_argnums=0)
