@@ -19,7 +19,8 @@ _TRAIN_DEFAULTS = {
 }
 
 
-def _rms_norm(eps: float):
+def rms_norm_config(eps: float):
+    """OLMo-core's RMSNorm config: no bias, eps `eps`."""
     from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
 
     return LayerNormConfig(name=LayerNormType.rms, eps=eps, bias=False)
@@ -42,7 +43,7 @@ def attention_config(ours: AttentionConfig):
         head_dim=ours.head_dim,
         bias=False,
         rope=None,
-        qk_norm=_rms_norm(ours.qk_norm_eps),
+        qk_norm=rms_norm_config(ours.qk_norm_eps),
         use_head_qk_norm=True,
         qk_norm_per_head_gains=True,
         scalable_softmax=True,
@@ -118,7 +119,7 @@ def block_config(
     return OLMoDDPTransformerBlockConfig(
         name=TransformerBlockType.moe_fused_v2,
         sequence_mixer=mixers[layer_type](),
-        layer_norm=_rms_norm(cfg.norm_eps),
+        layer_norm=rms_norm_config(cfg.norm_eps),
         shared_experts=SharedExpertsConfig(
             d_model=cfg.d_model,
             hidden_size=shared_hidden,
@@ -154,8 +155,8 @@ def model_config(
         n_layers=cfg.n_layers,
         block=blocks,
         block_pattern=pattern,
-        lm_head=LMHeadConfig(layer_norm=_rms_norm(cfg.norm_eps), bias=False),
-        embedding_norm=_rms_norm(cfg.norm_eps),
+        lm_head=LMHeadConfig(layer_norm=rms_norm_config(cfg.norm_eps), bias=False),
+        embedding_norm=rms_norm_config(cfg.norm_eps),
         embed_scale=cfg.embed_scale,
         tie_word_embeddings=False,
         init_method=InitMethod.normal,

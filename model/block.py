@@ -22,6 +22,9 @@ from model.kda import KimiDeltaAttention
 from model.moe import LatentMoE, MoEAux, SharedExpert
 from model.norms import RMSNorm
 
+NORMS = ("attention_input_norm", "attention_norm", "feed_forward_input_norm", "feed_forward_norm")
+"""The four peri-norms of a block, OLMo-core's names."""
+
 
 class Block(nnx.Module):
     """Block `index` of `config`: x [B, T, d_model] -> (out [B, T, d_model], MoEAux or None).
@@ -81,7 +84,3 @@ class Block(nnx.Module):
             m, document_ids=document_ids, pools=pools, loss_div_factor=loss_div_factor
         )
         return h + self.feed_forward_norm(y), aux
-
-
-NORMS = ("attention_input_norm", "attention_norm", "feed_forward_input_norm", "feed_forward_norm")
-"""The four peri-norms of a block, OLMo-core's names."""

@@ -87,10 +87,15 @@ class Transformer(nnx.Module):
         pool_key: jax.Array | None = None,
         loss_div_factor=None,
     ) -> tuple[jax.Array, MoEAux]:
-        """The final hidden states [B, T, d_model] before the LM head, and the aux of every MoE
-        layer. Arguments as `__call__`."""
+        """The final hidden states [B, T, d_model] before the LM head (for a tiled LM loss), and
+        the aux of every MoE layer. input_ids [B, T] int. In training (EMO), exactly one of
+        `pool_draws` [n_moe_layers, B, T] (document d of row b in layer l uses [l, b, d]) and
+        `pool_key`; neither in evaluation. `loss_div_factor`: the aux losses' divisor (None:
+        B*T)."""
         c = self.config
-        pools = self._pools(input_ids.shape, train=train, draws=pool_draws, key=pool_key)
+        pools = self.pool_sizes(
+            input_ids.shape, train=train, pool_draws=pool_draws, pool_key=pool_key
+        )
         document_ids = document_ids_from_eos(input_ids, eos_token_id=c.eos_token_id)
         h = self.embedding_norm(self.embeddings[...][input_ids] * c.embed_scale)
         auxes = []
@@ -103,30 +108,17 @@ class Transformer(nnx.Module):
                 auxes.append(aux)
         return h, MoEAux(*(jnp.stack(parts) for parts in zip(*auxes, strict=True)))
 
-    def __call__(
-        self,
-        input_ids: jax.Array,
-        *,
-        train: bool = False,
-        pool_draws: jax.Array | None = None,
-        pool_key: jax.Array | None = None,
-        loss_div_factor=None,
-    ) -> ModelOutput:
-        """input_ids [B, T] int. In training (EMO), exactly one of `pool_draws`
-        [n_moe_layers, B, T] (document d of row b in layer l uses [l, b, d]) and `pool_key`;
-        neither in evaluation. `loss_div_factor`: the aux losses' divisor (None: B*T)."""
-        h, aux = self.hidden(
-            input_ids,
-            train=train,
-            pool_draws=pool_draws,
-            pool_key=pool_key,
-            loss_div_factor=loss_div_factor,
-        )
+    def __call__(self, input_ids: jax.Array, **kwargs) -> ModelOutput:
+        """Logits [B, T, V] and the MoE aux; keyword arguments as `hidden`."""
+        h, aux = self.hidden(input_ids, **kwargs)
         return ModelOutput(self.lm_head(h), aux)
 
-    def _pools(self, shape, *, train: bool, draws, key) -> jax.Array | None:
-        """Per-layer per-document pools [n_moe_layers, B, T], or None (eval pool / no EMO)."""
+    def pool_sizes(self, shape, *, train: bool, pool_draws=None, pool_key=None) -> jax.Array | None:
+        """Per-layer per-document pools [n_moe_layers, B, T] for inputs of `shape` [B, T]: the
+        given draws, or one `draw_pools` per MoE layer from `pool_key`; None for the eval pool
+        (or without EMO)."""
         emo = self.config.moe.emo
+        draws, key = pool_draws, pool_key
         given = [name for name, v in (("pool_draws", draws), ("pool_key", key)) if v is not None]
         if emo is None or not train:
             if given:
