@@ -1,6 +1,7 @@
 """The assembled model's parameters from abstract shapes (`nnx.eval_shape`, nothing allocated):
-the micro param tree as a snapshot, and the hero's counts against OLMo-core's own
-`OLMoDDPModelConfig.num_params` for the same config (goldens.olmo_core_model)."""
+the micro param tree as a snapshot, the hero's counts against OLMo-core's own
+`OLMoDDPModelConfig.num_params` for the same config (goldens.olmo_core_model), and the hero's
+whole state dict (keys and shapes) against OLMo-core's model built on the meta device."""
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ from syrupy.extensions.json import JSONSnapshotExtension
 
 from goldens.olmo_core_model import model_config
 from model import config as c
+from model.convert import model_entries, params_to_olmo_core
 from model.transformer import Transformer
 
 
@@ -59,3 +61,22 @@ def test_param_counts_from_abstract_shapes_match_olmo_core(preset):
 def test_abstract_model_allocates_nothing():
     leaves = jax.tree.leaves(nnx.state(_abstract(c.olmo35_tiny().model)))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def test_hero_state_dict_matches_olmo_core_meta_build():
+    """OLMo-core builds the hero on the meta device (KDA stand-ins for FLA's imports): its state
+    dict has exactly the keys and shapes our abstract model gives through the weight map, and
+    its parameters sum to the hero's count."""
+    from goldens.cpu_standins import install
+
+    install()
+    model_cfg = c.olmo35_tiny().model
+    meta = model_config(model_cfg).build(init_device="meta")
+    theirs = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    zeros = jax.tree.map(
+        lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape),
+        nnx.state(_abstract(model_cfg), nnx.Param),
+    )
+    ours = {k: v.shape for k, v in params_to_olmo_core(zeros, model_entries(model_cfg)).items()}
+    assert ours == theirs
+    assert sum(int(np.prod(s)) for s in theirs.values()) == 12_496_341_632
