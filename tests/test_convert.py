@@ -67,3 +67,45 @@ def _without(d, key):
 def test_bad_state_dict_names_the_key(olmo_core_state_dict, change, error, named):
     with pytest.raises(error, match=named.replace(".", r"\.")):
         from_olmo_core(change(olmo_core_state_dict), CFG)
+
+
+def _pooled(state_dict) -> dict[str, np.ndarray]:
+    """All values of each parameter kind (the key without its block index), flattened."""
+    pools: dict[str, list] = {}
+    for key, value in state_dict.items():
+        kind = ".".join(p for p in key.split(".") if not p.isdigit())
+        pools.setdefault(kind, []).append(np.asarray(value, np.float64).ravel())
+    return {k: np.concatenate(v) for k, v in pools.items()}
+
+
+LARGE_POOL = 1000
+"""Values of a parameter kind enough to compare moments (std within 10% at 1000 samples)."""
+
+
+def test_init_is_in_olmo_core_distribution():
+    """Our random init, in OLMo-core's layout, against OLMo-core's own init of the micro model
+    ("normal", std 0.02 truncated at 3 std), pooled per parameter kind: constants equal, large
+    pools with the same mean and std (10%) and no value beyond OLMo-core's largest by 10%, small
+    pools inside OLMo-core's range padded by half its spread."""
+    from flax import nnx
+
+    from goldens.olmo_core_model import build
+    from model.transformer import Transformer
+
+    model = Transformer(
+        CFG, ignore_segment_ids=True, kda_inverse="forward_substitution", rngs=nnx.Rngs(0)
+    )
+    ours = _pooled(to_olmo_core(model))
+    theirs = _pooled({k: v.detach().numpy() for k, v in build(CFG).state_dict().items()})
+    assert ours.keys() == theirs.keys()
+    for kind, b in theirs.items():
+        a = ours[kind]
+        if b.min() == b.max():
+            np.testing.assert_array_equal(a, b, err_msg=kind)
+        elif b.size >= LARGE_POOL:
+            assert abs(a.std() / b.std() - 1) < 0.1, kind
+            assert abs(a.mean() - b.mean()) < 0.1 * b.std(), kind
+            assert np.abs(a).max() <= 1.1 * np.abs(b).max(), kind
+        else:
+            pad = 0.5 * (b.max() - b.min())
+            assert b.min() - pad <= a.min() and a.max() <= b.max() + pad, kind
