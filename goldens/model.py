@@ -161,7 +161,7 @@ def export() -> list[GoldenFile]:
         "producer": "olmo_core.nn.ddp.model.OLMoDDPModel (goldens.olmo_core_model.build)",
         "seeds": {"numpy_weights": SEED, "torch_global_before_train_forward": DRAW_SEED},
         "config": {
-            "model": model_config(cfg).as_dict(json_safe=True),
+            "model": "the OLMoDDPModelConfig in the entry of model_train.safetensors",
             "row_starts": list(ROW_STARTS),
             "eos_positions": [list(p) for p in EOS_POSITIONS],
             "loss_div_factor": div,
@@ -181,7 +181,14 @@ def export() -> list[GoldenFile]:
         },
         "substitutions": STANDINS,
     }
-    files = [GoldenFile(path="model_train.safetensors", tensors=to_numpy(train), **common)]
+    train_config = {**common["config"], "model": model_config(cfg).as_dict(json_safe=True)}
+    files = [
+        GoldenFile(
+            path="model_train.safetensors",
+            tensors=to_numpy(train),
+            **{**common, "config": train_config},
+        )
+    ]
     files += [
         GoldenFile(path=f"model_grads_{n}.safetensors", tensors=to_numpy(g), **common)
         for n, g in enumerate(grads)
