@@ -23,7 +23,7 @@ from flax import nnx
 
 from model.block import Block
 from model.config import ModelConfig
-from model.init import trunc_normal
+from model.init import linear, trunc_normal
 from model.moe import MoEAux
 from model.norms import RMSNorm
 from model.router import document_ids_from_eos, draw_pools
@@ -42,9 +42,7 @@ class LMHead(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, V = config.d_model, config.vocab_size
         self.norm = RMSNorm(d, eps=config.norm_eps)
-        self.w_out = nnx.Linear(
-            d, V, use_bias=False, kernel_init=trunc_normal(config.init_std), rngs=rngs
-        )
+        self.w_out = linear(d, V, config.init_std, rngs)
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return self.w_out(self.norm(h))
@@ -53,7 +51,8 @@ class LMHead(nnx.Module):
 class Transformer(nnx.Module):
     """`m(input_ids [B, T], train=..., ...)` -> `ModelOutput`. `ignore_segment_ids` is
     `Flags.olmoe3_mixers_ignore_segment_ids`, `kda_inverse` `Flags.kda_inverse`. Init as
-    OLMo-core's "normal" method: every weight N(0, init_std) truncated at 3 std, norms one."""
+    OLMo-core's "normal" method: weights N(0, init_std) truncated at 3 std, norm gains one, KDA's
+    A_log and dt_bias as OLMo-core's KDA (`tests/test_convert.py` compares the distributions)."""
 
     def __init__(
         self, config: ModelConfig, *, ignore_segment_ids: bool, kda_inverse: str, rngs: nnx.Rngs
