@@ -12,9 +12,11 @@ torch backend itself refuses intra-document masking on CPU.
 
 from __future__ import annotations
 
+from goldens.olmo_core_model import attention_config
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_RTOL
 from goldens.torch_layers import layer_vjp, to_numpy
+from model.config import micro
 
 SEED = 5005
 D_MODEL = 64
@@ -23,40 +25,10 @@ DOC_BOUNDS = (0, 37, 130, 256)
 """`cu_doc_lens` of the `doc.*` case: documents of 37, 93 and 126 tokens."""
 
 
-def olmo_core_config():
-    """The hero's attention at micro size, as OLMo-core builds it."""
-    from olmo_core.nn.attention import (
-        AttentionBackendName,
-        AttentionConfig,
-        AttentionType,
-        GateConfig,
-        GateGranularity,
-    )
-    from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
-
-    from model.config import micro
-
-    ours = micro().model.attention
-    return AttentionConfig(
-        name=AttentionType.default,
-        n_heads=ours.n_heads,
-        n_kv_heads=ours.n_kv_heads,
-        head_dim=ours.head_dim,
-        bias=False,
-        rope=None,
-        qk_norm=LayerNormConfig(name=LayerNormType.rms, eps=ours.qk_norm_eps, bias=False),
-        use_head_qk_norm=True,
-        qk_norm_per_head_gains=True,
-        scalable_softmax=True,
-        gate=GateConfig(granularity=GateGranularity.elementwise, full_precision=True),
-        backend=AttentionBackendName.torch,
-    )
-
-
 def _layer(generator):
     import torch
 
-    config = olmo_core_config()
+    config = attention_config(micro().model.attention)
     layer = config.build(D_MODEL, layer_idx=7, n_layers=8)
     with torch.no_grad():
         for name, p in layer.named_parameters():

@@ -27,6 +27,8 @@ COMPONENTS: dict[str, str] = {
     "moe": "goldens.moe",
     "optim": "goldens.optim",
     "loss": "goldens.loss",
+    "model": "goldens.model",
+    "blocks": "goldens.blocks",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

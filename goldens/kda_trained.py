@@ -17,6 +17,7 @@ from pathlib import Path
 
 from goldens.cpu_standins import SUBSTITUTIONS, install, kda_gate, l2_normalize
 from goldens.data import olmo_core_loader, write_token_files
+from goldens.olmo_core_model import kda_config, rms_norm_config
 from goldens.store import GoldenFile
 from goldens.tolerances import REGENERATE_RTOL
 from model.config import micro
@@ -28,25 +29,13 @@ ROWS = 2
 
 
 def _model():
-    from olmo_core.nn.attention import KimiDeltaAttentionConfig
     from olmo_core.nn.feed_forward import FeedForwardConfig
-    from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
     from olmo_core.nn.lm_head import LMHeadConfig
     from olmo_core.nn.transformer import TransformerBlockConfig, TransformerConfig
 
     model = micro().model
-    kda = model.kda
-    norm = LayerNormConfig(name=LayerNormType.rms, eps=model.norm_eps, bias=False)
-    mixer = KimiDeltaAttentionConfig(
-        n_heads=kda.n_heads,
-        n_v_heads=kda.n_heads,
-        head_dim=kda.head_dim,
-        expand_v=kda.expand_v,
-        allow_neg_eigval=kda.allow_neg_eigval,
-        conv_size=kda.conv_size,
-        conv_bias=False,
-        norm_eps=kda.norm_eps,
-    )
+    norm = rms_norm_config(model.norm_eps)
+    mixer = kda_config(model.kda)
     block = TransformerBlockConfig(
         sequence_mixer=mixer,
         layer_norm=norm,

@@ -19,8 +19,9 @@ weighted aux loss (LB weight 0.01, z weight 1e-5, `loss_div_factor` B*(T-1), as 
 
 from __future__ import annotations
 
+from goldens import olmo_core_model
 from goldens.cpu_standins import MOE_SUBSTITUTIONS, install_moe
-from goldens.router import LOSS_DIV_FACTOR, PoolRecorder, input_ids, router_config
+from goldens.router import LOSS_DIV_FACTOR, PoolRecorder, input_ids
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_GRAD, MOE_FORWARD, REGENERATE_RTOL
 from goldens.torch_layers import to_numpy, token_mean_cotangent
@@ -52,41 +53,13 @@ FAN_IN_AXIS = {  # how each weight is applied: the axis it contracts with its in
 
 def block_config():
     """OLMo-core's block config for a micro MoE block: attention mixer, peri-norm, latent MoE."""
-    from olmo_core.config import DType
-    from olmo_core.nn.ddp.block import OLMoDDPTransformerBlockConfig
-    from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
-    from olmo_core.nn.moe.moe import LatentMoEConfig
-    from olmo_core.nn.moe.v2.routed_experts import RoutedExpertsConfig
-    from olmo_core.nn.moe.v2.shared_experts import SharedExpertsConfig
-    from olmo_core.nn.transformer.config import TransformerBlockType
-
-    from goldens.attention import olmo_core_config
-
-    model = micro().model
-    moe = model.moe
-    return OLMoDDPTransformerBlockConfig(
-        name=TransformerBlockType.moe_fused_v2,
-        sequence_mixer=olmo_core_config(),
-        layer_norm=LayerNormConfig(name=LayerNormType.rms, eps=model.norm_eps, bias=False),
-        routed_experts=RoutedExpertsConfig(
-            d_model=moe.latent_dim,
-            hidden_size=moe.expert_hidden,
-            num_experts=moe.num_experts,
-            bias=False,
-            dtype=DType.float32,
-        ),
-        routed_experts_router=router_config(
-            moe, model.d_model, model.eos_token_id, lb_w=LB_WEIGHT, z_w=Z_WEIGHT
-        ),
-        latent_moe=LatentMoEConfig(latent_dim=moe.latent_dim),
-        shared_experts=SharedExpertsConfig(
-            d_model=model.d_model,
-            hidden_size=moe.shared_expert_hidden,
-            num_experts=1,
-            bias=False,
-            dtype=DType.float32,
-        ),
-        use_peri_norm=True,
+    return olmo_core_model.block_config(
+        micro().model,
+        "attention",
+        dense=False,
+        lb_loss_weight=LB_WEIGHT,
+        router_z_loss_weight=Z_WEIGHT,
+        global_load_balancing=False,
     )
 
 

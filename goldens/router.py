@@ -46,8 +46,17 @@ def moe_config() -> MoEConfig:
     return dataclasses.replace(moe, emo=dataclasses.replace(moe.emo, eval_pool=EVAL_POOL))
 
 
-def router_config(moe: MoEConfig, d_model: int, eos_token_id: int, *, lb_w: float, z_w: float):
-    """OLMo-core's `MoERouterConfigV2` for our `MoEConfig` (EMO on, local-batch LB loss)."""
+def router_config(
+    moe: MoEConfig,
+    d_model: int,
+    eos_token_id: int,
+    *,
+    lb_w: float,
+    z_w: float,
+    global_load_balancing: bool = False,
+):
+    """OLMo-core's `MoERouterConfigV2` for our `MoEConfig` (EMO on, local-batch LB loss; global
+    load balancing needs a process group, see `goldens.model`)."""
     from olmo_core.nn.moe.emo import EmoRouterConfig
     from olmo_core.nn.moe.v2.router import MoERouterConfigV2
 
@@ -60,6 +69,7 @@ def router_config(moe: MoEConfig, d_model: int, eos_token_id: int, *, lb_w: floa
         restore_weight_scale=moe.restore_weight_scale,
         lb_loss_weight=lb_w,
         z_loss_weight=z_w,
+        global_load_balancing=global_load_balancing,
         emo=EmoRouterConfig(
             eos_token_id=eos_token_id,
             min_document_expert_pool=emo.min_pool,

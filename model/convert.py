@@ -3,6 +3,9 @@ layout). Loading checks that the key sets match exactly and every shape agrees b
 anything; errors name the key. Arrays may be numpy, torch tensors or anything `np.asarray` takes
 (torch itself is never imported here).
 
+Public API: `from_olmo_core(state_dict, cfg)` -> `model.transformer.Transformer` and
+`to_olmo_core(model)` -> state dict, through `model_entries(cfg)`, built from the component tables.
+
 Layouts: "linear" is OLMo-core's weight [out, in] vs our kernel [in, out]; "conv" is a depthwise
 conv weight [C, 1, W] vs ours [C, W]; "same" is unchanged.
 """
@@ -14,6 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from flax import nnx
+
+from model.block import NORMS
+from model.config import Flags, ModelConfig
+from model.transformer import Transformer
 
 LAYOUTS = ("linear", "conv", "same")
 
@@ -107,8 +114,11 @@ def _flat_params(state: nnx.State) -> dict[tuple, np.ndarray]:
 
 
 def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]) -> None:
-    """Assign an OLMo-core state dict to `module`'s params by `entries`; all checks come first."""
-    ours = _flat_params(nnx.state(module, nnx.Param))
+    """Assign an OLMo-core state dict to `module`'s params by `entries`; all checks come first.
+    `module` may be abstract (`nnx.eval_shape`): only its param shapes are read."""
+    ours = {
+        path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))
+    }
     by_key = {e.torch_key: e for e in entries}
     unknown = sorted(set(state_dict) - set(by_key))
     missing = sorted(set(by_key) - set(state_dict))
@@ -120,7 +130,7 @@ def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]
     converted = {}
     for key, entry in by_key.items():
         value = _to_ours(_numpy(state_dict[key]), entry.layout)
-        want = ours[entry.path].shape
+        want = ours[entry.path]
         if value.shape != want:
             raise ValueError(
                 f"{key}: shape {value.shape} after the {entry.layout!r} layout, "
@@ -140,3 +150,50 @@ def params_to_olmo_core(params: nnx.State, entries: list[Entry]) -> dict[str, np
     """Params (or gradients shaped like them) as an OLMo-core state dict."""
     flat = _flat_params(params)
     return {e.torch_key: _to_olmo_core(flat[e.path], e.layout) for e in entries}
+
+
+def block_entries(config: ModelConfig, index: int) -> list[Entry]:
+    """Block `index` of `OLMoDDPModel` (`blocks.<i>.`) <-> `model.block.Block`: mixer, four
+    peri-norms, and the feed-forward, whose OLMo-core keys sit at block level."""
+    prefix, path = f"blocks.{index}.", ("blocks", index)
+    mixer = {"kda": kda_entries, "attention": attention_entries}[config.layer_types[index]]
+    entries = mixer(f"{prefix}attention.", (*path, "attention"))
+    entries += [Entry(f"{prefix}{n}.weight", (*path, n, "weight")) for n in NORMS]
+    if index in config.dense_layers:
+        return entries + shared_expert_entries(f"{prefix}shared_experts.", (*path, "feed_forward"))
+    return entries + moe_entries(prefix, (*path, "feed_forward"))
+
+
+def model_entries(config: ModelConfig) -> list[Entry]:
+    """The whole `OLMoDDPModel` <-> `model.transformer.Transformer`."""
+    entries = [
+        Entry("embeddings.weight", ("embeddings",)),
+        Entry("embedding_norm.weight", ("embedding_norm", "weight")),
+        Entry("lm_head.norm.weight", ("lm_head", "norm", "weight")),
+        *_linear("lm_head.w_out", ("lm_head", "w_out")),
+    ]
+    for index in range(config.n_layers):
+        entries += block_entries(config, index)
+    return entries
+
+
+def from_olmo_core(state_dict: Mapping, cfg: ModelConfig, *, flags: Flags | None = None):
+    """An OLMo-core `OLMoDDPModel` state dict -> `Transformer`. `flags` sets the mixers'
+    switches; None is OLMo-core's behaviour (mixers see the whole instance). No random init:
+    the module is built from abstract shapes and every param comes from the state dict."""
+    flags = flags or Flags(olmoe3_mixers_ignore_segment_ids=True)
+    model = nnx.eval_shape(
+        lambda: Transformer(
+            cfg,
+            ignore_segment_ids=flags.olmoe3_mixers_ignore_segment_ids,
+            kda_inverse=flags.kda_inverse,
+            rngs=nnx.Rngs(0),
+        )
+    )
+    load_olmo_core(model, state_dict, model_entries(cfg))
+    return model
+
+
+def to_olmo_core(model) -> dict[str, np.ndarray]:
+    """A `Transformer`'s params as an OLMo-core `OLMoDDPModel` state dict."""
+    return params_to_olmo_core(nnx.state(model, nnx.Param), model_entries(model.config))

@@ -110,6 +110,11 @@ BAD = [
         id="emo-min-pool",
     ),
     pytest.param(
+        lambda: c.MoEConfig(16, 2, 64, 32, 64, emo=c.EmoConfig(2, 32, 16)),
+        "MoEConfig.emo",
+        id="emo-max-pool",
+    ),
+    pytest.param(
         lambda: c.MoEConfig(16, 2, 64, 32, 64, emo=c.EmoConfig(2, 16, 32)),
         "MoEConfig.emo",
         id="emo-eval-pool",
