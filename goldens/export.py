@@ -29,6 +29,7 @@ COMPONENTS: dict[str, str] = {
     "loss": "goldens.loss",
     "model": "goldens.model",
     "blocks": "goldens.blocks",
+    "trace": "goldens.trace",
 }
 """Component name -> module whose `export()` returns its `GoldenFile`s."""
 

@@ -1,0 +1,242 @@
+"""The golden training trace: OLMo-core's real `Trainer` trains the micro model on CPU with the
+hero's recipe scaled down, and every step's metrics, EMO pool draws and a few parameter snapshots
+are kept for the JAX replay (`python -m model.replay`).
+
+OLMo-core 3.0.0 as a training job runs it: `OLMoDDPModel` (`goldens.olmo_core_model.build`),
+`OLMoDDPTrainModule` (micro-batches of 4 rows: GA 2; z-loss 1e-5; `OLMoDDPOptimizer`: lr 1e-3,
+betas 0.9/0.95, eps 1e-8, wd 0.1 and 0 for `*embeddings.weight`, clip 1.0, skip-step 6 sigma;
+`ConstantWithWarmup(warmup=10)`), the `NumpyFSLDataLoader` of the data goldens, `Trainer.fit()` for
+`STEPS` steps. What it needs on one CPU process: the CPU stand-ins (KDA, MoE v2), fp32
+(`OLMoDDPModel._training_dtype`), a gloo process group of world size 1, no checkpoints.
+
+Reproducible: a callback reseeds torch's global RNG before every step (EMO draws its pool sizes
+from it); another records each router call's draw tensor (OLMo-core's [B, T], document d of a
+row in column d), rebuilt from the RNG state before the call and checked against the pools used.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS, install, install_moe
+from goldens.data import olmo_core_loader, write_token_files
+from goldens.store import GoldenFile
+from goldens.tolerances import REGENERATE_RTOL
+from model.config import micro, olmo_core
+
+STEPS = 50
+SNAPSHOT_STEPS = (0, 10, STEPS)
+STEP_SEED = 10_000
+"""torch.manual_seed(STEP_SEED + step) before each step."""
+METRICS = {
+    "ce": "train/CE loss",
+    "z_loss": "train/Z loss",
+    "lb_loss": "train/load balancing loss",
+    "router_z_loss": "train/router Z loss",
+    "lr": "optim/LR (group 0)",
+    "grad_norm": "optim/total grad norm",
+    "skipped": "optim/step skipped",
+}
+"""Trace tensor -> OLMo-core metric; per MoE block also "train/block NN/{load balancing loss,
+router Z loss}"."""
+DIR = "trace"
+
+
+def _process_group() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29551"),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+        )
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _callbacks(snapshots: dict, rows: dict, draws: list):
+    import torch
+    from olmo_core.nn.moe.v2.emo_router import EmoRouterV2
+    from olmo_core.train.callbacks import Callback
+
+    class StepSeed(Callback):
+        priority = 100
+
+        def pre_step(self, batch):
+            torch.manual_seed(STEP_SEED + self.step)
+
+    class Capture(Callback):
+        """Params at SNAPSHOT_STEPS, metrics every step, router draws of every training call."""
+
+        def _model(self):
+            model = self.trainer.train_module.model
+            return getattr(model, "module", model)
+
+        def pre_train(self):
+            snapshots[0] = {k: v.detach().clone() for k, v in self._model().state_dict().items()}
+            routers = [m for m in self._model().modules() if isinstance(m, EmoRouterV2)]
+            for layer, router in enumerate(routers):
+                router._pool_sizes = self._recording(router, layer, router._pool_sizes)
+
+        def _recording(self, router, layer, original):
+            def pool_sizes(segment_ids):
+                state = torch.get_rng_state()
+                pools = original(segment_ids)
+                if router.training:
+                    generator = torch.Generator()
+                    generator.set_state(state)
+                    emo = router.emo
+                    raw = torch.randint(
+                        emo.min_document_expert_pool,
+                        emo.max_document_expert_pool + 1,
+                        segment_ids.shape,
+                        generator=generator,
+                    )
+                    assert torch.equal(raw.gather(1, segment_ids), pools), "draw not reproduced"
+                    draws.append((self.step, layer, raw, int(segment_ids.max()) + 1))
+                return pools
+
+            return pool_sizes
+
+        def post_step(self):
+            if self.step in SNAPSHOT_STEPS:
+                snapshots[self.step] = {
+                    k: v.detach().clone() for k, v in self._model().state_dict().items()
+                }
+
+        def log_metrics(self, step, metrics):
+            rows[step] = dict(metrics)
+
+    return {"step_seed": StepSeed(), "capture": Capture()}
+
+
+def _train(work: Path):
+    import torch
+    from olmo_core.nn.ddp.model import OLMoDDPModel
+    from olmo_core.optim import ConstantWithWarmup, OLMoDDPOptimizerConfig, OptimGroupOverride
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.train_module import OLMoDDPTrainModuleConfig, TransformerDataParallelConfig
+
+    from goldens.olmo_core_model import build
+
+    cfg = olmo_core(micro())
+    train = cfg.train
+    install()
+    install_moe()
+    _process_group()
+    OLMoDDPModel._training_dtype = torch.float32
+    model = build(cfg.model)
+    module = OLMoDDPTrainModuleConfig(
+        rank_microbatch_size=train.micro_batch_size * train.seq_len,
+        max_sequence_length=train.seq_len,
+        z_loss_multiplier=train.z_loss_weight,
+        optim=OLMoDDPOptimizerConfig(
+            lr=train.lr,
+            betas=train.betas,
+            eps=train.eps,
+            weight_decay=train.weight_decay,
+            max_grad_norm=train.max_grad_norm,
+            sigma_factor=int(train.skip_step_sigma),
+            rolling_interval_length=train.skip_step_window,
+            group_overrides=[
+                OptimGroupOverride(
+                    params=["*embeddings.weight"],
+                    opts={"weight_decay": train.embedding_weight_decay},
+                )
+            ],
+        ),
+        dp_config=TransformerDataParallelConfig(name="ddp", only_allreduce_last_microbatch=True),
+        scheduler=ConstantWithWarmup(warmup=train.warmup_steps),
+    ).build(model, device=torch.device("cpu"))
+    token_files = list(write_token_files(cfg, work).values())
+    loader = olmo_core_loader(cfg, token_files, work / "data")
+    snapshots, rows, draws = {}, {}, []
+    trainer = TrainerConfig(
+        save_folder=str(work / "run"),
+        max_duration=Duration.steps(STEPS),
+        metrics_collect_interval=1,
+        no_checkpoints=True,
+        device="cpu",
+        cancel_check_interval=10_000,
+        callbacks=_callbacks(snapshots, rows, draws),
+    ).build(module, loader)
+    trainer.fit()
+    return cfg, snapshots, rows, draws
+
+
+def _block_metrics(rows: dict, steps: range, name: str) -> tuple[list[int], np.ndarray]:
+    """Per-MoE-block metric `name`: (block indices, [steps, blocks])."""
+    prefix, suffix = "train/block ", f"/{name}"
+    blocks = sorted(
+        int(k[len(prefix) : -len(suffix)])
+        for k in rows[steps[0]]
+        if k.startswith(prefix) and k.endswith(suffix)
+    )
+    values = [[rows[s][f"{prefix}{b:02d}{suffix}"] for b in blocks] for s in steps]
+    return blocks, np.array(values, np.float64)
+
+
+def _draw_tensor(draws: list, steps: range, ga: int) -> tuple[np.ndarray, int]:
+    """Training draws of steps 1..N as [N, GA, MoE layers, b, D] uint8, D the most documents a
+    row had (columns past it are never read)."""
+    kept = [d for d in draws if d[0] >= steps[0]]
+    documents = max(d[3] for d in kept)
+    layers = max(d[1] for d in kept) + 1
+    out = np.stack([d[2][:, :documents].numpy() for d in kept]).astype(np.uint8)
+    return out.reshape(len(steps), ga, layers, *out.shape[1:]), documents
+
+
+def export() -> list[GoldenFile]:
+    with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
+        cfg, snapshots, rows, draws = _train(Path(tmp))
+    steps = range(1, STEPS + 1)
+    tensors = {
+        name: np.array([rows[s][key] for s in steps], np.float64) for name, key in METRICS.items()
+    }
+    blocks, tensors["lb_loss_per_block"] = _block_metrics(rows, steps, "load balancing loss")
+    _, tensors["router_z_loss_per_block"] = _block_metrics(rows, steps, "router Z loss")
+    tensors["pool_draws"], documents = _draw_tensor(draws, steps, cfg.train.ga_steps)
+    common = {
+        "producer": "olmo_core.train.Trainer with OLMoDDPModel, OLMoDDPTrainModule, "
+        "OLMoDDPOptimizer, NumpyFSLDataLoader",
+        "seeds": {"init": cfg.train.init_seed, "data": cfg.train.data_seed, "step_seed": STEP_SEED},
+        "tolerances": {"regenerate_rtol": REGENERATE_RTOL},
+        "substitutions": [
+            *SUBSTITUTIONS,
+            *MOE_SUBSTITUTIONS,
+            "torch.distributed: gloo process group of world size 1",
+            "OLMoDDPModel._training_dtype = float32",
+        ],
+    }
+    files = [
+        GoldenFile(
+            path=f"{DIR}/metrics.safetensors",
+            tensors=tensors,
+            config={
+                "config": cfg.as_dict(),
+                "steps": STEPS,
+                "metrics": METRICS,
+                "moe_blocks": blocks,
+                "pool_draws": "[step, micro-batch, MoE layer, row, document]: OLMo-core's draw "
+                f"tensor's first {documents} columns (document d of a row uses column d)",
+                "step_seed": f"torch.manual_seed({STEP_SEED} + step) before each step",
+            },
+            **common,
+        )
+    ]
+    for step in SNAPSHOT_STEPS:
+        files.append(
+            GoldenFile(
+                path=f"{DIR}/params_step{step}.safetensors",
+                tensors={k: v.numpy() for k, v in snapshots[step].items()},
+                config={"step": step, "names": "OLMoDDPModel.state_dict()"},
+                **common,
+            )
+        )
+    return files
