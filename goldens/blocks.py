@@ -1,5 +1,5 @@
 """Goldens of single peri-norm blocks of OLMo-core's micro `OLMoDDPModel` (goldens.model's model
-and trained-like weights): block 0 (KDA mixer, dense SwiGLU), block 1 (KDA, latent MoE) and
+with the trace's trained weights): block 0 (KDA mixer, dense SwiGLU), block 1 (KDA, latent MoE) and
 block 7 (attention, latent MoE), each on the input it gets in goldens.model's training forward
 (row 0), in training mode with recorded pool draws.
 
@@ -12,7 +12,7 @@ losses OLMo-core attaches to a MoE block's output) w.r.t. x and every parameter 
 
 from __future__ import annotations
 
-from goldens.model import DRAW_SEED, SEED, STANDINS, batch, prepared_model
+from goldens.model import DRAW_SEED, SEED, STANDINS, WEIGHTS, batch, prepared_model
 from goldens.router import PoolRecorder
 from goldens.store import GoldenFile
 from goldens.tolerances import (
@@ -91,14 +91,13 @@ def export() -> list[GoldenFile]:
                 producer="olmo_core.nn.ddp.block.OLMoDDPTransformerBlock of the micro "
                 "OLMoDDPModel (goldens.model.prepared_model)",
                 seeds={
-                    "numpy_weights": SEED,
                     "torch_cotangent": SEED,
                     "torch_global_before_block_forward": DRAW_SEED + index,
                 },
                 config={
                     "block_index": index,
                     "loss_div_factor": kwargs.get("loss_div_factor"),
-                    "weights": "goldens.model.trained_like_weights (not stored)",
+                    "weights": WEIGHTS,
                 },
                 tolerances={
                     "forward": TOLERANCES[kind][0].as_dict(),

@@ -3,10 +3,8 @@ fp32, CPU stand-ins), on one batch of 2 rows of 256 tokens of the corpus (sonnet
 at fixed places, so that each row holds several documents (a leading EOS, adjacent EOS, a row
 ending inside a document).
 
-Weights: trained-like, not OLMo-core's init (`trained_like_weights`: numpy PCG64, linear and
-expert weights N(0, 1/fan_in), norm gains 1 + N(0, 0.01), KDA and attention scalars as the layer
-goldens), so that router choices are far from ties and every norm gain and scale matters. They
-are not stored: a test regenerates them from the gradients' shapes (OLMo-core's state dict).
+Weights: OLMo-core's own, trained: the micro model after the 50 steps of the golden training trace
+(`trace/params_step50.safetensors`, OLMo-core's Trainer from its init), read through the store.
 
 - `model_train.safetensors`: input ids, labels (OLMo-core's `get_labels`: shifted, last -100),
   the recorded EMO pool draws [7 MoE layers, B, T] (each router's `torch.randint` tensor, replayed
@@ -28,7 +26,13 @@ import numpy as np
 from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS
 from goldens.router import PoolRecorder
 from goldens.store import GoldenFile, load_golden
-from goldens.tolerances import MODEL_GRAD_OF_NORM, MODEL_LOGITS, MODEL_LOSS, REGENERATE_RTOL
+from goldens.tolerances import (
+    MODEL_GRAD_FLOOR,
+    MODEL_GRAD_OF_NORM,
+    MODEL_LOGITS,
+    MODEL_LOSS,
+    REGENERATE_RTOL,
+)
 from goldens.torch_layers import to_numpy
 from model.config import micro
 
@@ -43,39 +47,13 @@ IGNORE_INDEX = -100
 STANDINS = SUBSTITUTIONS + MOE_SUBSTITUTIONS
 
 
-def trained_like_weights(shapes: dict[str, tuple[int, ...]], *, d_model: int) -> dict:
-    """OLMo-core state-dict keys and shapes -> float32 arrays at a trained-like scale, drawn in
-    sorted key order from PCG64(SEED)."""
-    rng = np.random.Generator(np.random.PCG64(SEED))
-    out = {}
-    for key in sorted(shapes):
-        shape = tuple(shapes[key])
-        normal = rng.standard_normal(shape)
-        if key.endswith("A_log"):
-            value = np.log(rng.uniform(1.0, 16.0, shape))
-        elif key.endswith(("dt_bias", ".bias")):
-            value = 0.5 * normal
-        elif key.endswith("ssmax_scale"):
-            value = rng.uniform(0.25, 0.75, shape)
-        elif key.endswith("norm.weight"):
-            value = 1 + 0.1 * normal
-        elif key == "embeddings.weight":
-            value = normal
-        else:
-            value = normal / np.sqrt(_fan_in(key, shape, d_model))
-        out[key] = value.astype(np.float32)
-    return out
+WEIGHTS = "trace/params_step50.safetensors"
+"""The golden the whole-model and block goldens take their weights from."""
 
 
-def _fan_in(key: str, shape: tuple[int, ...], d_model: int) -> int:
-    """The axis a weight contracts with its input (OLMo-core layouts)."""
-    if key.endswith("routed_experts_router.weight"):  # flat [E * D]
-        return d_model
-    if key.endswith(("routed_experts.w_down", "shared_experts.w_down")):  # [E, H, L], [1, H, D]
-        return shape[-2]
-    if key.endswith("shared_experts.w_up_gate"):  # [D, 2H]
-        return shape[0]
-    return shape[-1]  # linear [out, in], conv [C, 1, W], routed w_up_gate [E, 2H, L]
+def weights() -> dict[str, np.ndarray]:
+    """OLMo-core state dict of the trained micro model (the trace's last snapshot)."""
+    return load_golden(WEIGHTS).tensors
 
 
 def batch() -> tuple[np.ndarray, np.ndarray]:
@@ -100,17 +78,14 @@ def _load_balancing_group(model) -> None:
 
 
 def prepared_model():
-    """OLMo-core's micro model with the trained-like weights and the load-balancing group, in
+    """OLMo-core's micro model with the trace's trained weights and the load-balancing group, in
     training mode."""
     import torch
 
     from goldens.olmo_core_model import build
 
-    cfg = micro().model
-    model = build(cfg, lb_loss_weight=LB_WEIGHT, router_z_loss_weight=ROUTER_Z_WEIGHT)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    weights = trained_like_weights(shapes, d_model=cfg.d_model)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    model = build(micro().model, lb_loss_weight=LB_WEIGHT, router_z_loss_weight=ROUTER_Z_WEIGHT)
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights().items()})
     _load_balancing_group(model)
     return model.train()
 
@@ -159,7 +134,7 @@ def export() -> list[GoldenFile]:
 
     common = {
         "producer": "olmo_core.nn.ddp.model.OLMoDDPModel (goldens.olmo_core_model.build)",
-        "seeds": {"numpy_weights": SEED, "torch_global_before_train_forward": DRAW_SEED},
+        "seeds": {"torch_global_before_train_forward": DRAW_SEED},
         "config": {
             "model": "the OLMoDDPModelConfig in the entry of model_train.safetensors",
             "row_starts": list(ROW_STARTS),
@@ -168,15 +143,14 @@ def export() -> list[GoldenFile]:
             "lb_loss_weight": LB_WEIGHT,
             "router_z_loss_weight": ROUTER_Z_WEIGHT,
             "z_loss_weight": Z_LOSS_WEIGHT,
-            "weights": "goldens.model.trained_like_weights (not stored): linear/expert "
-            "N(0, 1/fan_in), norms 1 + N(0, 0.01), A_log log U(1, 16), biases and dt_bias "
-            "N(0, 0.25), ssmax_scale U(0.25, 0.75), embeddings N(0, 1)",
+            "weights": WEIGHTS,
             "process_group": "gloo world size 1 (HashStore) for global load balancing",
         },
         "tolerances": {
             "logits": MODEL_LOGITS.as_dict(),
             "loss": MODEL_LOSS.as_dict(),
             "grad_of_norm": MODEL_GRAD_OF_NORM,
+            "grad_floor": MODEL_GRAD_FLOOR,
             "regenerate_rtol": REGENERATE_RTOL,
         },
         "substitutions": STANDINS,

@@ -37,30 +37,25 @@ BLOCK_FORWARD = Tol(rtol=1e-5, atol=1e-5)
 (measured 4.5e-6 on |y| <= 18.8)."""
 BLOCK_GRAD = Tol(rtol=1e-5, atol=1e-4)
 """One block's input and weight gradients (issue bar: 1e-4 max abs; attention block 5.4e-5)."""
-KDA_BLOCK_FORWARD = Tol(rtol=1e-5, atol=10 * BLOCK_FORWARD.atol)
-"""A block with a KDA mixer. Loosened: the branch norm after KDA rescales its small output, and
-with it the chunked form's float32 rounding (KDA_FORWARD). Measured vs OLMo-core fp32: 7.5e-5
-(dense block 0, |y| <= 7.2), 2.9e-5 (MoE block 1); vs OLMo-core in fp64 7.3e-5 and 2.9e-5, where
-OLMo-core's own fp32 (the recurrent reference) is 1.3e-5 away."""
-KDA_BLOCK_GRAD = Tol(rtol=1e-5, atol=5 * BLOCK_GRAD.atol)
-"""Gradients of a block with a KDA mixer, loosened for the same reason. Measured: 1.4e-4 (block
-0), 3.4e-4 (block 1); OLMo-core's own fp32 is 1.1e-4 from its fp64, ours 3.4e-4."""
+KDA_BLOCK_FORWARD = BLOCK_FORWARD
+"""A block with a KDA mixer, at the trace's trained weights: the issue bar holds."""
+KDA_BLOCK_GRAD = Tol(rtol=1e-5, atol=2 * BLOCK_GRAD.atol)
+"""Gradients of a block with a KDA mixer. Loosened 2x for one element: measured 1.1e-4 max abs on
+block 0's A_log gradient (a sum over every token and key channel that mostly cancels); every
+other gradient is within the issue bar of 1e-4."""
 
-MODEL_LOGITS = Tol(rtol=0.0, atol=10 * 1e-4)
-"""Whole-model logits (issue bar: 1e-4 max abs). Loosened: below float32's own noise at the
-golden's trained-like weights (|logits| <= 4.8), where 8 peri-norm blocks amplify rounding (the
-branch norms rescale small KDA outputs). Measured: OLMo-core fp32 vs its fp64 2.0e-4 (train) and
-2.4e-4 (eval); ours vs OLMo-core fp64 3.2e-4 (train) and 6.5e-4 (eval); ours vs the golden
-3.2e-4 (train) and 7.3e-4 (eval), growing block by block with no jump."""
+MODEL_LOGITS = Tol(rtol=0.0, atol=1e-4)
+"""Whole-model logits (issue bar: 1e-4 max abs), at the trace's trained weights."""
 MODEL_LOSS = Tol(rtol=1e-5, atol=0.0)
-"""Whole-model CE, z-loss and per-layer router losses (issue bar: 1e-5 relative; measured
-<= 3.3e-7)."""
-MODEL_GRAD_OF_NORM = 30 * 1e-4
+"""Whole-model CE, z-loss and per-layer router losses (issue bar: 1e-5 relative)."""
+MODEL_GRAD_OF_NORM = 1e-4
 """Whole-model gradients: each parameter's max abs error at most this times the norm of its
-golden gradient (issue bar: 1e-4). Loosened for the same float32 noise: OLMo-core fp32 vs its
-fp64 is up to 7.7e-4 (KDA A_log of block 2), ours vs that fp64 8.5e-4, ours vs the golden
-1.6e-3 (the same A_log; median over parameters 2.7e-5, 13 of 207 above 1e-4, all KDA scalars,
-convs and norm gains)."""
+golden gradient (issue bar: 1e-4)."""
+MODEL_GRAD_FLOOR = 1e-7
+"""Added to each parameter's whole-model gradient bound: a few KDA gate parameters (A_log,
+dt_bias, f_proj_2 in blocks 0, 4, 5, 6) have nearly vanishing gradients at the trained weights
+(norms 2e-7 to 3e-5), beside which float32 rounding is large: measured at most 2.2e-8 max abs
+(up to 5e-3 of those norms). Every other parameter is within 1e-4 of its norm (median 1.7e-7)."""
 
 KDA_INVERSE_BETA_1 = Tol(rtol=0.0, atol=1e-5)
 """(I + A)^-1 in float32 against float64, beta near 1 (measured <= 5.7e-7 on correlated keys)."""

@@ -1,7 +1,7 @@
-"""The micro model with the weights of OLMo-core's whole-model goldens (goldens/model_*), which
-are not stored but regenerated from the gradients' shapes (OLMo-core's state dict)."""
+"""The micro model with the weights of OLMo-core's whole-model goldens (goldens/model_*): the
+trained micro model of the golden trace."""
 
-from goldens.model import trained_like_weights
+from goldens.model import WEIGHTS
 from model.config import micro
 from model.convert import from_olmo_core
 
@@ -18,5 +18,4 @@ def golden_gradients(golden) -> dict:
 
 def olmo_core_model(golden):
     """`from_olmo_core` of the goldens' OLMo-core weights."""
-    shapes = {k: v.shape for k, v in golden_gradients(golden).items()}
-    return from_olmo_core(trained_like_weights(shapes, d_model=CFG.d_model), CFG)
+    return from_olmo_core(golden(WEIGHTS).tensors, CFG)
