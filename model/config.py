@@ -247,6 +247,11 @@ class ModelConfig(_Config):
             "dense_layers",
             f"must be increasing block indices in [0, {self.n_layers}), got {self.dense_layers}",
         )
+        self._require(
+            len(self.dense_layers) < self.n_layers,
+            "dense_layers",
+            "at least one block must have the MoE feed-forward (the hybrid has no dense-only form)",
+        )
 
     @property
     def embed_scale(self) -> float:
