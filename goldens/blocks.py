@@ -12,7 +12,7 @@ losses OLMo-core attaches to a MoE block's output) w.r.t. x and every parameter 
 
 from __future__ import annotations
 
-from goldens.model import DRAW_SEED, SEED, STANDINS, WEIGHTS, batch, prepared_model
+from goldens.model import DRAW_SEED, STANDINS, WEIGHTS, batch, prepared_model
 from goldens.router import PoolRecorder
 from goldens.store import GoldenFile
 from goldens.tolerances import (
@@ -26,6 +26,8 @@ from goldens.torch_layers import to_numpy, token_mean_cotangent
 
 BLOCKS = {"dense": 0, "kda": 1, "attention": 7}
 """Golden name -> block index in the micro model."""
+SEED = 8008
+"""The cotangents' generator."""
 TOLERANCES = {
     "dense": (KDA_BLOCK_FORWARD, KDA_BLOCK_GRAD),  # block 0's mixer is KDA
     "kda": (KDA_BLOCK_FORWARD, KDA_BLOCK_GRAD),

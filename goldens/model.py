@@ -36,7 +36,6 @@ from goldens.tolerances import (
 from goldens.torch_layers import to_numpy
 from model.config import micro
 
-SEED = 8008
 DRAW_SEED = 8009
 ROWS, T = 2, 256
 ROW_STARTS = (1000, 20000)
