@@ -19,12 +19,20 @@ import linecache
 import sys
 
 from goldens.cpu_standins import SUBSTITUTIONS, fla_naive, install
+from goldens.olmo_core_model import kda_config
 from goldens.store import GoldenFile
 from goldens.tolerances import KDA_FORWARD, KDA_GRAD, REGENERATE_RTOL
 from goldens.torch_layers import layer_vjp, to_numpy
+from model.config import micro
 
 SEED = 4004
-D_MODEL, N_HEADS, HEAD_DIM, EXPAND_V = 64, 2, 32, 2.0
+KDA = micro().model.kda
+D_MODEL, N_HEADS, HEAD_DIM, EXPAND_V = (
+    micro().model.d_model,
+    KDA.n_heads,
+    KDA.head_dim,
+    KDA.expand_v,
+)
 LAYER_SHAPE = (2, 256)  # [B, T] of the layer input
 CHUNK_T, LONG_T = 256, 1024
 TOLERANCES = {
@@ -36,18 +44,8 @@ TOLERANCES = {
 
 def _layer(generator):
     import torch
-    from olmo_core.nn.attention import KimiDeltaAttentionConfig
 
-    config = KimiDeltaAttentionConfig(
-        n_heads=N_HEADS,
-        n_v_heads=N_HEADS,
-        head_dim=HEAD_DIM,
-        expand_v=EXPAND_V,
-        allow_neg_eigval=True,
-        conv_size=4,
-        conv_bias=False,
-        norm_eps=1e-5,
-    )
+    config = kda_config(KDA)
     layer = config.build(D_MODEL, layer_idx=0, n_layers=1)
     with torch.no_grad():
         for name, p in layer.named_parameters():
