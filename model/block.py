@@ -73,14 +73,20 @@ class Block(nnx.Module):
         document_ids: jax.Array,
         pools: jax.Array | None = None,
         loss_div_factor=None,
+        lb_axis_name: str | tuple[str, ...] | None = None,
     ) -> tuple[jax.Array, MoEAux | None]:
-        """document_ids [B, T] (from EOS) feed the EMO pools and, unless the mixer ignores them,
-        its document masking; pools [B, T] per-document pool sizes (None: the eval pool)."""
+        """document_ids [B, T] feed the EMO pools and, unless the mixer ignores them, its document
+        masking; pools [B, T] per-document pool sizes (None: the eval pool); `loss_div_factor`,
+        `lb_axis_name`: as `LatentMoE`."""
         h = x + self.attention_norm(self.attention(self.attention_input_norm(x), document_ids))
         m = self.feed_forward_input_norm(h)
         if not self.is_moe:
             return h + self.feed_forward_norm(self.feed_forward(m)), None
         y, aux = self.feed_forward(
-            m, document_ids=document_ids, pools=pools, loss_div_factor=loss_div_factor
+            m,
+            document_ids=document_ids,
+            pools=pools,
+            loss_div_factor=loss_div_factor,
+            lb_axis_name=lb_axis_name,
         )
         return h + self.feed_forward_norm(y), aux

@@ -135,7 +135,8 @@ def _prepare(q, k, v, g, beta, scale, initial_state, segment_ids):
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
-    state = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
+    # zeros "like" the inputs: inside `shard_map` the state varies over the same axes as they do
+    state = jnp.zeros_like(k, shape=(B, H, K, V)) if initial_state is None else initial_state
     segment_ids = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
     return q * scale, k, v, g, beta, state.astype(jnp.float32), segment_ids
 

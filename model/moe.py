@@ -106,11 +106,23 @@ class MoEAux(NamedTuple):
     """[E] int32 token slots per routed expert."""
 
 
-def router_aux(routing: Routing, *, num_experts: int, top_k: int, loss_div_factor=None) -> MoEAux:
-    """The load-balancing loss, router z-loss and expert counts of one routing."""
+def router_aux(
+    routing: Routing,
+    *,
+    num_experts: int,
+    top_k: int,
+    loss_div_factor=None,
+    lb_axis_name: str | tuple[str, ...] | None = None,
+) -> MoEAux:
+    """The load-balancing loss, router z-loss and expert counts of one routing; `lb_axis_name`:
+    the data axes the LB counts are averaged over (global load balancing, inside `shard_map`)."""
     counts = expert_counts(routing.indices, num_experts)
     lb_loss = load_balancing_loss(
-        routing.probs, counts, top_k=top_k, loss_div_factor=loss_div_factor
+        routing.probs,
+        counts,
+        top_k=top_k,
+        loss_div_factor=loss_div_factor,
+        axis_name=lb_axis_name,
     )
     z_loss = router_z_loss(routing.logits, loss_div_factor=loss_div_factor)
     return MoEAux(lb_loss, z_loss, counts)
@@ -120,7 +132,7 @@ class LatentMoE(nnx.Module):
     """m [B, T, d_model] (the feed-forward input, after its norm) -> (y [B, T, d_model], MoEAux).
 
     `document_ids`, `pools`: as `Router` (EMO). `loss_div_factor`: the aux losses' divisor
-    (None: B*T). Children carry OLMo-core's block-level names."""
+    (None: B*T); `lb_axis_name`: as `router_aux`. Children carry OLMo-core's block-level names."""
 
     def __init__(self, config: MoEConfig, d_model: int, *, rngs: nnx.Rngs):
         if config.shared_expert_hidden is None:
@@ -141,11 +153,16 @@ class LatentMoE(nnx.Module):
         document_ids: jax.Array | None = None,
         pools: jax.Array | None = None,
         loss_div_factor=None,
+        lb_axis_name: str | tuple[str, ...] | None = None,
     ) -> tuple[jax.Array, MoEAux]:
         c = self.config
         routing = self.routed_experts_router(m, document_ids=document_ids, pools=pools)
         routed = self.latent_up_proj(self.routed_experts(self.latent_down_proj(m), routing))
         aux = router_aux(
-            routing, num_experts=c.num_experts, top_k=c.top_k, loss_div_factor=loss_div_factor
+            routing,
+            num_experts=c.num_experts,
+            top_k=c.top_k,
+            loss_div_factor=loss_div_factor,
+            lb_axis_name=lb_axis_name,
         )
         return routed + self.shared_experts(m), aux

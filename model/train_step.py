@@ -5,7 +5,7 @@ A step's losses are normalised by D, the count of labels not ignored in the whol
 (OLMo-core's `batch_num_tokens_for_loss`): each micro-batch adds its sums divided by D. So the
 gradient is the whole-batch gradient and the reported CE, z-loss and aux losses are the sums of the
 micro-batch contributions, whatever the number of micro-batches (MaxText reported z-loss and aux
-losses GA times too large; here they cannot be).
+losses GA times too large; `ga_reporting="micro_batch_means"` keeps that path to show it).
 
 `terms_fn(params, micro_batch, loss_div_factor)` is the model's side: it returns the unweighted
 terms of one micro-batch, already divided by D: "ce" and "z_loss" (scalars) and, for MoE models,
@@ -28,6 +28,7 @@ from model.data import IGNORE_INDEX
 
 TermsFn = Callable[[Any, dict[str, jax.Array], jax.Array], dict[str, jax.Array]]
 AUX_TERMS = ("lb_loss", "router_z_loss")
+GA_REPORTING = ("batch", "micro_batch_means")
 
 
 class TrainState(NamedTuple):
@@ -49,15 +50,20 @@ def combine_aux(per_layer: jax.Array, reduction: str) -> jax.Array:
     raise NotImplementedError(reduction)
 
 
-def _weighted(terms: dict[str, jax.Array], cfg: Config) -> dict[str, jax.Array]:
-    """The terms as they enter the objective and the logs (weights applied, layers combined)."""
+def _weighted(terms: dict[str, jax.Array], cfg: Config) -> tuple[dict, dict]:
+    """The terms as they enter the objective and the logs (weights applied, layers combined),
+    and the weighted MoE terms of each layer ("<name>_per_layer" [n_moe_layers], logs only)."""
     train = cfg.train
     weights = {"lb_loss": train.lb_loss_weight, "router_z_loss": train.router_z_loss_weight}
     out = {"ce": terms["ce"], "z_loss": train.z_loss_weight * terms["z_loss"]}
+    per_layer = {}
     for name in AUX_TERMS:
         if name in terms:
-            out[name] = weights[name] * combine_aux(terms[name], cfg.flags.moe_aux_loss_reduction)
-    return out
+            per_layer[f"{name}_per_layer"] = weights[name] * terms[name]
+            out[name] = combine_aux(
+                per_layer[f"{name}_per_layer"], cfg.flags.moe_aux_loss_reduction
+            )
+    return out, per_layer
 
 
 def loss_div_factor(micro_batches: dict[str, jax.Array]) -> jax.Array:
@@ -65,20 +71,42 @@ def loss_div_factor(micro_batches: dict[str, jax.Array]) -> jax.Array:
     return jnp.sum(micro_batches["labels"] != IGNORE_INDEX).astype(jnp.float32)
 
 
-def accumulate(params, micro_batches, *, cfg: Config, terms_fn: TermsFn, grad_sharding=None):
+def _as_micro_batch_mean(terms: dict[str, jax.Array], div, mb) -> dict[str, jax.Array]:
+    """MaxText's logs before the fix: every term but CE normalised by the micro-batch's own
+    label count instead of the batch's, so their sum over micro-batches is GA times too large."""
+    scale = div / loss_div_factor(jax.tree.map(lambda x: x[None], mb))
+    return {k: v if k == "ce" else v * scale for k, v in terms.items()}
+
+
+def accumulate(
+    params,
+    micro_batches,
+    *,
+    cfg: Config,
+    terms_fn: TermsFn,
+    grad_sharding=None,
+    ga_reporting: str = "batch",
+):
     """Gradients and reported terms summed over the micro-batches (leading axis), under
     `lax.scan`. `grad_sharding` (a pytree of shardings like params) constrains the accumulated
     gradients inside the loop; `Flags.ga_params_loop_barrier` puts an optimisation barrier on the
-    params in the loop body so XLA cannot hoist work on them out of it."""
+    params in the loop body so XLA cannot hoist work on them out of it.
+
+    `ga_reporting`: "batch" (the fix) or "micro_batch_means", MaxText's old logs of z-loss and
+    aux losses (GA times too large), kept to show the bug; the gradients are the same."""
+    if ga_reporting not in GA_REPORTING:
+        raise ValueError(f"ga_reporting must be one of {GA_REPORTING}, got {ga_reporting!r}")
     div = loss_div_factor(micro_batches)
 
     def objective(p, mb):
-        terms = _weighted(terms_fn(p, mb, div), cfg)
-        return sum(terms.values()), terms
+        terms, per_layer = _weighted(terms_fn(p, mb, div), cfg)
+        return sum(terms.values()), {**terms, **per_layer}
 
     def body(acc, mb):
         p = lax.optimization_barrier(params) if cfg.flags.ga_params_loop_barrier else params
         (_, terms), grads = jax.value_and_grad(objective, has_aux=True)(p, mb)
+        if ga_reporting == "micro_batch_means":
+            terms = _as_micro_batch_mean(terms, div, mb)
         acc = jax.tree.map(jnp.add, acc, (grads, terms))
         if grad_sharding is not None:
             acc = (lax.with_sharding_constraint(acc[0], grad_sharding), acc[1])
@@ -92,12 +120,24 @@ def accumulate(params, micro_batches, *, cfg: Config, terms_fn: TermsFn, grad_sh
 
 
 def train_step(
-    state: TrainState, micro_batches, *, cfg: Config, terms_fn: TermsFn, grad_sharding=None
+    state: TrainState,
+    micro_batches,
+    *,
+    cfg: Config,
+    terms_fn: TermsFn,
+    grad_sharding=None,
+    ga_reporting: str = "batch",
 ):
-    """Accumulate over the micro-batches [GA, b, ...], then one optimizer step.
-    Returns (state, metrics): the reported terms, "lr", "grad_norm" (before clipping), "skipped"."""
+    """Accumulate over the micro-batches [GA, b, ...] (arguments as `accumulate`), then one
+    optimizer step. Returns (state, metrics): the reported terms (with the weighted MoE terms of
+    each layer, "<name>_per_layer"), "lr", "grad_norm" (before clipping), "skipped"."""
     grads, terms = accumulate(
-        state.params, micro_batches, cfg=cfg, terms_fn=terms_fn, grad_sharding=grad_sharding
+        state.params,
+        micro_batches,
+        cfg=cfg,
+        terms_fn=terms_fn,
+        grad_sharding=grad_sharding,
+        ga_reporting=ga_reporting,
     )
     params, opt_state, metrics = optim.step(
         state.params, grads, state.opt_state, step=state.step, loss=terms["ce"], cfg=cfg

@@ -5,12 +5,12 @@ nn/lm_head.py, 3.0.0) with peri-norm blocks (`model.block`):
     h, aux_l = block_l(h)                                          (l = 0 .. n_layers - 1)
     logits = lm_head.norm(h) @ w_out                               (untied)
 
-EMO document ids come from EOS (`model.router.document_ids_from_eos`). Pool sizes are an explicit
-input in training: `pool_draws` [n_moe_layers, B, T] (OLMo-core's `torch.randint` tensor of each
-MoE layer, in layer order) or `pool_key` (a JAX key, one draw per MoE layer); in evaluation every
-document has the eval pool. The per-layer router losses (unweighted, divided by `loss_div_factor`)
-and expert counts come back stacked over the MoE layers; OLMo-core attaches the weighted ones to
-the graph instead, so a trainer adds them to its objective itself.
+EMO document ids come from EOS (`model.router.document_ids_from_eos`) unless given. Pool sizes
+are an explicit input in training: `pool_draws` [n_moe_layers, B, T] (OLMo-core's `torch.randint`
+tensor of each MoE layer, in layer order) or `pool_key` (a JAX key, one draw per MoE layer); in
+evaluation every document has the eval pool. The per-layer router losses (unweighted, divided by
+`loss_div_factor`) and expert counts come back stacked over the MoE layers; OLMo-core attaches the
+weighted ones to the graph instead, so a trainer adds them to its objective itself.
 """
 
 from __future__ import annotations
@@ -85,23 +85,31 @@ class Transformer(nnx.Module):
         pool_draws: jax.Array | None = None,
         pool_key: jax.Array | None = None,
         loss_div_factor=None,
+        document_ids: jax.Array | None = None,
+        lb_axis_name: str | tuple[str, ...] | None = None,
     ) -> tuple[jax.Array, MoEAux]:
         """The final hidden states [B, T, d_model] before the LM head (for a tiled LM loss), and
         the aux of every MoE layer. input_ids [B, T] int. In training (EMO), exactly one of
         `pool_draws` [n_moe_layers, B, T] (document d of row b in layer l uses [l, b, d]) and
         `pool_key`; neither in evaluation. `loss_div_factor`: the aux losses' divisor (None:
-        B*T)."""
+        B*T). `document_ids` [B, T] from 0 (None: from EOS, OLMo-core's way). `lb_axis_name`:
+        inside `shard_map`, the data axes load balancing averages its counts over."""
         c = self.config
         pools = self.pool_sizes(
             input_ids.shape, train=train, pool_draws=pool_draws, pool_key=pool_key
         )
-        document_ids = document_ids_from_eos(input_ids, eos_token_id=c.eos_token_id)
+        if document_ids is None:
+            document_ids = document_ids_from_eos(input_ids, eos_token_id=c.eos_token_id)
         h = self.embedding_norm(self.embeddings[...][input_ids] * c.embed_scale)
         auxes = []
         for block in self.blocks:
             layer_pools = None if pools is None else pools[len(auxes)]
             h, aux = block(
-                h, document_ids=document_ids, pools=layer_pools, loss_div_factor=loss_div_factor
+                h,
+                document_ids=document_ids,
+                pools=layer_pools,
+                loss_div_factor=loss_div_factor,
+                lb_axis_name=lb_axis_name,
             )
             if aux is not None:
                 auxes.append(aux)

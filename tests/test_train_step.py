@@ -87,7 +87,14 @@ def test_ga_reports_router_losses_once_per_batch(reduction):
         lambda p, mb: ts.accumulate(p, mb, cfg=cfg, terms_fn=small_lm_terms), static_argnums=()
     )
     expected = accumulate(params, _micro(rows, 1))
-    assert set(expected[1]) == {"ce", "z_loss", "lb_loss", "router_z_loss"}
+    assert set(expected[1]) == {
+        "ce",
+        "z_loss",
+        "lb_loss",
+        "router_z_loss",
+        "lb_loss_per_layer",
+        "router_z_loss_per_layer",
+    }
     for ga in (2, 4):
         assert_close(
             f"GA={ga}",
