@@ -12,6 +12,12 @@ betas 0.9/0.95, eps 1e-8, wd 0.1 and 0 for `*embeddings.weight`, clip 1.0, skip-
 Reproducible: a callback reseeds torch's global RNG before every step (EMO draws its pool sizes
 from it); another records each router call's draw tensor (OLMo-core's [B, T], document d of a
 row in column d), rebuilt from the RNG state before the call and checked against the pools used.
+
+How far fp32 training itself reproduces (`trace/perturbed.safetensors`): the same run again from
+step-0 weights moved by one ulp (each weight times 1 + s 2^-23, s drawn from {-1, 0, 1}), for
+`PERTURBED_SEEDS`. Adam on near-zero gradients and top-k routing flips amplify such rounding-level
+differences step after step; the gaps between these runs and the golden one are the spread any
+other fp32 implementation of the same run can be expected to show.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ METRICS = {
 """Trace tensor -> OLMo-core metric; per MoE block also "train/block NN/{load balancing loss,
 router Z loss}"."""
 DIR = "trace"
+PERTURBED_SEEDS = (1, 2)
+"""Seeds of the one-ulp perturbations of the step-0 weights."""
 
 
 def _process_group() -> None:
@@ -116,7 +124,18 @@ def _callbacks(snapshots: dict, rows: dict, draws: list):
     return {"step_seed": StepSeed(), "capture": Capture()}
 
 
-def _train(work: Path):
+def _perturb(model, seed: int) -> None:
+    """Every weight times 1 + s 2^-23, s uniform in {-1, 0, 1} (one ulp near 1)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            sign = torch.randint(-1, 2, param.shape, generator=generator).to(param.dtype)
+            param.mul_(1 + sign * 2.0**-23)
+
+
+def _train(work: Path, perturb_seed: int | None = None):
     import torch
     from olmo_core.nn.ddp.model import OLMoDDPModel
     from olmo_core.optim import ConstantWithWarmup, OLMoDDPOptimizerConfig, OptimGroupOverride
@@ -154,6 +173,8 @@ def _train(work: Path):
         dp_config=TransformerDataParallelConfig(name="ddp", only_allreduce_last_microbatch=True),
         scheduler=ConstantWithWarmup(warmup=train.warmup_steps),
     ).build(model, device=torch.device("cpu"))
+    if perturb_seed is not None:  # after the build, which initialises the weights
+        _perturb(model, perturb_seed)
     token_files = list(write_token_files(cfg, work).values())
     loader = olmo_core_loader(cfg, token_files, work / "data")
     snapshots, rows, draws = {}, {}, []
@@ -192,15 +213,38 @@ def _draw_tensor(draws: list, steps: range, ga: int) -> tuple[np.ndarray, int]:
     return out.reshape(len(steps), ga, layers, *out.shape[1:]), documents
 
 
-def export() -> list[GoldenFile]:
-    with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
-        cfg, snapshots, rows, draws = _train(Path(tmp))
-    steps = range(1, STEPS + 1)
+def _metrics(rows: dict, steps: range) -> tuple[list[int], dict[str, np.ndarray]]:
+    """Every METRICS entry [steps] and the per-block aux losses [steps, blocks]."""
     tensors = {
         name: np.array([rows[s][key] for s in steps], np.float64) for name, key in METRICS.items()
     }
     blocks, tensors["lb_loss_per_block"] = _block_metrics(rows, steps, "load balancing loss")
     _, tensors["router_z_loss_per_block"] = _block_metrics(rows, steps, "router Z loss")
+    return blocks, tensors
+
+
+def _perturbed(golden_snapshots: dict, steps: range) -> dict[str, np.ndarray]:
+    """The perturbed runs' metrics ([runs, ...] each) and, at the snapshot steps after 0, the
+    distance of each param to the golden run's, |p - p_golden| / |p_golden| [runs, params]."""
+    runs = []
+    for seed in PERTURBED_SEEDS:
+        with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
+            _, snapshots, rows, _ = _train(Path(tmp), perturb_seed=seed)
+        _, tensors = _metrics(rows, steps)
+        for step in SNAPSHOT_STEPS[1:]:
+            golden = golden_snapshots[step]
+            tensors[f"params_rel_diff_step{step}"] = np.array(
+                [float((snapshots[step][k] - v).norm() / v.norm()) for k, v in golden.items()]
+            )
+        runs.append(tensors)
+    return {name: np.stack([run[name] for run in runs]) for name in runs[0]}
+
+
+def export() -> list[GoldenFile]:
+    with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
+        cfg, snapshots, rows, draws = _train(Path(tmp))
+    steps = range(1, STEPS + 1)
+    blocks, tensors = _metrics(rows, steps)
     tensors["pool_draws"], documents = _draw_tensor(draws, steps, cfg.train.ga_steps)
     common = {
         "producer": "olmo_core.train.Trainer with OLMoDDPModel, OLMoDDPTrainModule, "
@@ -230,6 +274,20 @@ def export() -> list[GoldenFile]:
             **common,
         )
     ]
+    files.append(
+        GoldenFile(
+            path=f"{DIR}/perturbed.safetensors",
+            tensors=_perturbed(snapshots, steps),
+            config={
+                "seeds": list(PERTURBED_SEEDS),
+                "perturbation": "every step-0 weight times 1 + s 2^-23, s uniform in {-1, 0, 1} "
+                "(torch.Generator().manual_seed(seed), parameters in model order)",
+                "metrics": "as trace/metrics.safetensors, one row per seed",
+                "params": list(snapshots[0]),
+            },
+            **common,
+        )
+    )
     for step in SNAPSHOT_STEPS:
         files.append(
             GoldenFile(

@@ -1,0 +1,100 @@
+"""The golden training trace a replay is held to (goldens/trace/, written by `goldens.trace`):
+OLMo-core's metrics at every step, its EMO pool draws, its data order, its parameter snapshots,
+and the same run from one-ulp-perturbed step-0 weights (how far fp32 training reproduces itself).
+
+Step s (from 1, as OLMo-core's trainer counts) trains on global batch s - 1 of the golden data
+order and its routers use the draws recorded at step s. Everything is read through
+`goldens.store.load_golden`, which checks sha256, versions and tensor lists first.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from goldens.store import load_golden, read_manifest, resolve
+from model.config import Config, Flags, micro, olmo_core
+from model.data import OlmoData
+
+METRICS = ("ce", "z_loss", "lb_loss", "router_z_loss", "lr", "grad_norm")
+"""The per-step metrics compared, in the order a divergence is looked for."""
+PER_LAYER = ("lb_loss", "router_z_loss")
+"""Metrics also recorded per MoE block ("<name>_per_block" [steps, blocks])."""
+SNAPSHOT = "trace/params_step{}.safetensors"
+
+
+@dataclass(frozen=True)
+class GoldenTrace:
+    metrics: dict[str, np.ndarray]
+    """METRICS and "skipped" [steps]; "<name>_per_block" [steps, MoE blocks]; "pool_draws"
+    [steps, GA, MoE layers, b, documents]."""
+    perturbed: dict[str, np.ndarray]
+    """The same metrics of the perturbed runs [runs, ...]; "params_rel_diff_step<s>" [runs, params]
+    (in `param_names` order)."""
+    param_names: tuple[str, ...]
+    moe_blocks: tuple[int, ...]
+    """OLMo-core block index of each MoE layer."""
+    snapshot_steps: tuple[int, ...]
+    data: OlmoData
+    config: Config
+    """The run's config: micro, every flag at OLMo-core's, the golden global-indices file."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.metrics["ce"])
+
+    def params(self, step: int) -> dict[str, np.ndarray]:
+        """OLMo-core's state dict after `step` steps (one of `snapshot_steps`)."""
+        if step not in self.snapshot_steps:
+            raise ValueError(f"the trace saved params at steps {self.snapshot_steps}, not {step}")
+        return load_golden(SNAPSHOT.format(step)).tensors
+
+    def micro_batches(self, step: int, flags: Flags) -> dict[str, np.ndarray]:
+        """The micro-batches of `step` (from 1) for `model.objective`: rows of `OlmoData`
+        ([GA, b, T]; segment ids from EOS only with `flags.olmo_segment_ids_from_eos`) and
+        OLMo-core's draws as "pool_draws" [GA, b, MoE layers, T]."""
+        if not 1 <= step <= self.steps:
+            raise ValueError(f"the trace has steps 1..{self.steps}, not {step}")
+        train = self.config.train
+        batch = self.data.micro_batches(
+            step - 1, ga_steps=train.ga_steps, segment_ids_from_eos=flags.olmo_segment_ids_from_eos
+        )
+        draws = self.metrics["pool_draws"][step - 1].astype(np.int32)  # [GA, L, b, documents]
+        pad = train.seq_len - draws.shape[-1]  # columns past the last document are never read
+        draws = np.pad(draws, [(0, 0)] * 3 + [(0, pad)], mode="edge")
+        batch["pool_draws"] = draws.transpose(0, 2, 1, 3)
+        return batch
+
+
+@functools.cache
+def load_trace() -> GoldenTrace:
+    """The bundled golden trace and its data, checked against the manifest."""
+    golden = load_golden("trace/metrics.safetensors")
+    perturbed = load_golden("trace/perturbed.safetensors")
+    order = load_golden("data/order.safetensors").entry["config"]
+    for path in [*order["token_files"], order["global_indices_file"]]:
+        load_golden(path)
+    config = olmo_core(micro(), global_indices_path=str(resolve(order["global_indices_file"])))
+    made_for = golden.entry["config"]["config"]
+    for part in ("model", "train"):
+        if made_for[part] != config.as_dict()[part]:
+            raise ValueError(
+                f"goldens/trace/metrics.safetensors was made for another {part} config than "
+                "model.config.micro(); regenerate it with `tox -e goldens -- trace`"
+            )
+    data = OlmoData.from_config(config, [resolve(p) for p in order["token_files"]])
+    return GoldenTrace(
+        metrics=golden.tensors,
+        perturbed=perturbed.tensors,
+        param_names=tuple(perturbed.entry["config"]["params"]),
+        moe_blocks=tuple(golden.entry["config"]["moe_blocks"]),
+        snapshot_steps=tuple(
+            step
+            for step in range(golden.entry["config"]["steps"] + 1)
+            if SNAPSHOT.format(step) in read_manifest()["files"]
+        ),
+        data=data,
+        config=config,
+    )

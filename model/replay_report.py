@@ -1,0 +1,117 @@
+"""What a replay shows: a table per reporting window (like the seed's: each metric's ours and
+golden means over the window, the largest relative gap, the tolerance), the closing verdict, and
+`replay.png` (every metric's curves, the gaps and each gap over its tolerance)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+
+from model.golden_trace import METRICS
+
+LABELS = {
+    "ce": "CE",
+    "z_loss": "z-loss",
+    "lb_loss": "LB loss",
+    "router_z_loss": "router z-loss",
+    "lr": "LR",
+    "grad_norm": "grad norm",
+}
+
+
+def window_table(steps: list[dict], *, title: str) -> Table:
+    """One row per metric over `steps` (record entries): mean ours, mean golden, the largest
+    relative gap (the one nearest its tolerance) and its step, the tolerance there, ok."""
+    table = Table(title=title, title_justify="left")
+    for column in ("metric", "ours", "OLMo-core", "max gap", "step", "tol", ""):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for name in METRICS:
+        rows = [s["metrics"][name] for s in steps]
+        worst = max(range(len(rows)), key=lambda i: rows[i]["rel_gap"] / rows[i]["tolerance"])
+        ok = all(r["ok"] for r in rows)
+        table.add_row(
+            LABELS[name],
+            f"{np.mean([r['ours'] for r in rows]):.5g}",
+            f"{np.mean([r['golden'] for r in rows]):.5g}",
+            f"{rows[worst]['rel_gap']:.2e}",
+            str(steps[worst]["step"]),
+            f"{rows[worst]['tolerance']:.1e}",
+            "[green]ok[/]" if ok else "[red]over[/]",
+        )
+    return table
+
+
+def params_line(check: dict) -> str:
+    """One saved step's params check."""
+    mark = "[green]ok[/]" if check["ok"] else "[red]over[/]"
+    return (
+        f"params at step {check['step']}: whole model {check['rel_gap']:.2e} from OLMo-core's "
+        f"(tolerance {check['tolerance']:.1e}) {mark}; farthest tensor for its spread: "
+        f"{check['worst']} {check['worst_rel_gap']:.2e} "
+        f"(OLMo-core's own {check['worst_spread']:.1e})"
+    )
+
+
+def verdict(record: dict, *, what: str) -> str:
+    """One line: passed, or the first step and metric that diverged and the worst layer."""
+    first = record["first_divergence"]
+    if first is None:
+        return f"[green]{what}: every step within tolerance[/]"
+    step = next(s for s in record["steps"] if s["step"] == first["step"])
+    where = f"; MoE block with the largest aux-loss gap: {first['layer']}"
+    if first["metric"] == "params":
+        check = next(p for p in record["params"] if p["step"] == first["step"])
+        detail = f"params: {check['rel_gap']:.2e} > {check['tolerance']:.1e}"
+        where = f"; farthest tensor {check['worst']}"
+    elif first["metric"] == "skipped":
+        detail = f"skipped: ours {step['skipped']['ours']}, OLMo-core {step['skipped']['golden']}"
+    else:
+        m = step["metrics"][first["metric"]]
+        detail = (
+            f"{LABELS[first['metric']]}: ours {m['ours']:.6g}, OLMo-core {m['golden']:.6g}, "
+            f"gap {m['rel_gap']:.2e} > {m['tolerance']:.1e}"
+        )
+    return f"[red]{what}: first divergence at step {first['step']}, {detail}{where}[/]"
+
+
+def plot(record: dict, path: Path) -> None:
+    """Curves of every metric (ours dashed over OLMo-core's), the relative gaps and each gap
+    over its tolerance (above 1 = diverged), to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s["step"] for s in record["steps"]]
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8), constrained_layout=True)
+    series = {
+        name: {
+            side: [s["metrics"][name][side] for s in record["steps"]]
+            for side in ("ours", "golden", "rel_gap", "spread", "tolerance")
+        }
+        for name in METRICS
+    }
+    for ax, name in zip(axes.flat, METRICS, strict=False):
+        ax.plot(steps, series[name]["golden"], label="OLMo-core", lw=2, alpha=0.6)
+        ax.plot(steps, series[name]["ours"], "--", label="JAX", lw=1.2)
+        ax.set_title(LABELS[name])
+        ax.set_xlabel("step")
+        ax.legend()
+    gaps, ratio = axes.flat[6], axes.flat[7]
+    for color, name in enumerate(METRICS):
+        gap = np.maximum(series[name]["rel_gap"], 1e-12)
+        gaps.semilogy(steps, gap, color=f"C{color}", label=LABELS[name])
+        own = np.maximum(series[name]["spread"], 1e-12)
+        gaps.semilogy(steps, own, ":", color=f"C{color}")
+        ratio.semilogy(steps, gap / np.asarray(series[name]["tolerance"]), label=LABELS[name])
+    gaps.set_title("relative gap to OLMo-core (dotted: OLMo-core's own spread)")
+    ratio.set_title("gap / tolerance (above 1: diverged)")
+    ratio.axhline(1.0, color="red", lw=1)
+    for ax in (gaps, ratio):
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"replay against OLMo-core's trace, flags: {record['flags']}")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,76 @@
+"""The main job on the golden trace: `python -m model.replay --steps 5` (free-running, OLMo-core
+flags) passes, writes the record in the issue's format and the plot, and every step of it is within
+the issue's bars; OLMo-core's total aux loss is our sum over layers and MaxText's mean is it over
+the number of MoE layers; `--flags maxtext` diverges on the aux loss at step 1 and says so."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from goldens.tolerances import MODEL_LOSS, REPLAY_CE, REPLAY_METRIC
+from model import replay
+from model.golden_trace import METRICS, load_trace
+from tests.compare import assert_close
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replay")
+    code = replay.main(["--steps", str(STEPS), "--out", str(out), "--window", "5"])
+    return code, json.loads((out / "replay.json").read_text()), out
+
+
+def test_five_steps_pass_within_the_issue_bars(replayed):
+    code, record, out = replayed
+    assert code == 0 and record["passed"] and record["first_divergence"] is None
+    assert [s["step"] for s in record["steps"]] == list(range(1, STEPS + 1))
+    for entry in record["steps"]:
+        for name in METRICS:
+            m = entry["metrics"][name]
+            assert set(m) >= {"ours", "golden", "rel_gap"}, name
+            bar = REPLAY_CE if name == "ce" else REPLAY_METRIC
+            assert m["rel_gap"] <= bar, (entry["step"], name, m)
+        assert entry["skipped"] == {"ours": False, "golden": False}
+    assert (out / "replay.png").stat().st_size > 10_000
+
+
+def test_olmo_core_total_aux_loss_is_the_sum_over_layers(replayed):
+    """Step 1 starts from OLMo-core's weights: our LB and router z-loss, summed over the MoE
+    layers, are the totals OLMo-core logged (to the whole-model bar), and so are the layers."""
+    _, record, _ = replayed
+    first = record["steps"][0]
+    for name in ("lb_loss", "router_z_loss"):
+        m = first["metrics"][name]
+        assert_close(name, expected=m["golden"], actual=m["ours"], tol=MODEL_LOSS)
+        layers = first["layers"][name]
+        assert_close(
+            f"{name} per layer", expected=layers["golden"], actual=layers["ours"], tol=MODEL_LOSS
+        )
+        assert np.isclose(sum(layers["ours"]), m["ours"], rtol=1e-6)
+
+
+def test_mean_reduction_is_the_sum_over_the_moe_layers():
+    trace = load_trace()
+    flags = dataclasses.replace(trace.config.flags, moe_aux_loss_reduction="mean")
+    run = replay.Run(dataclasses.replace(trace.config, flags=flags))
+    (row,), _ = replay.free_running(trace, run, steps=1, on_step=lambda *_: None)
+    n_moe = len(trace.moe_blocks)
+    for name in ("lb_loss", "router_z_loss"):
+        golden_sum = float(trace.metrics[name][0])
+        assert_close(name, expected=golden_sum / n_moe, actual=row[name], tol=MODEL_LOSS)
+
+
+def test_maxtext_flags_diverge_on_the_aux_loss(tmp_path, capsys):
+    code = replay.main(["--steps", "1", "--flags", "maxtext", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "replay.json").read_text())
+    assert code == 1 and not record["passed"]
+    first = record["first_divergence"]
+    assert (first["step"], first["metric"]) == (1, "lb_loss")
+    assert first["layer"] in load_trace().moe_blocks
+    lb = record["steps"][0]["metrics"]["lb_loss"]
+    assert lb["ours"] < lb["golden"] / 5, "MaxText averages the layers' LB, OLMo-core sums them"
+    assert "first divergence at step 1, LB loss" in capsys.readouterr().out
