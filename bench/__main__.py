@@ -14,6 +14,7 @@ BENCHES = {
     "rms_norm": "bench.rms_norm",
     "kda_inverse": "bench.kda_inverse",
     "memory": "bench.memory",
+    "step": "bench.step",
 }
 
 

@@ -32,7 +32,7 @@ from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS, install, inst
 from goldens.data import olmo_core_loader, write_token_files
 from goldens.store import GoldenFile
 from goldens.tolerances import REGENERATE_RTOL
-from model.config import micro, olmo_core
+from model.config import Config, micro, olmo_core
 
 STEPS = 50
 SNAPSHOT_STEPS = (0, 10, STEPS)
@@ -135,23 +135,23 @@ def _perturb(model, seed: int) -> None:
             param.mul_(1 + sign * 2.0**-23)
 
 
-def _train(work: Path, perturb_seed: int | None = None):
+def train_module(cfg: Config):
+    """OLMo-core's `OLMoDDPTrainModule` training the model of `cfg` on this CPU with its recipe
+    (stand-ins installed, gloo process group, fp32), not yet attached to a `Trainer`."""
     import torch
     from olmo_core.nn.ddp.model import OLMoDDPModel
     from olmo_core.optim import ConstantWithWarmup, OLMoDDPOptimizerConfig, OptimGroupOverride
-    from olmo_core.train import Duration, TrainerConfig
     from olmo_core.train.train_module import OLMoDDPTrainModuleConfig, TransformerDataParallelConfig
 
     from goldens.olmo_core_model import build
 
-    cfg = olmo_core(micro())
     train = cfg.train
     install()
     install_moe()
     _process_group()
     OLMoDDPModel._training_dtype = torch.float32
     model = build(cfg.model)
-    module = OLMoDDPTrainModuleConfig(
+    return OLMoDDPTrainModuleConfig(
         rank_microbatch_size=train.micro_batch_size * train.seq_len,
         max_sequence_length=train.seq_len,
         z_loss_multiplier=train.z_loss_weight,
@@ -173,8 +173,15 @@ def _train(work: Path, perturb_seed: int | None = None):
         dp_config=TransformerDataParallelConfig(name="ddp", only_allreduce_last_microbatch=True),
         scheduler=ConstantWithWarmup(warmup=train.warmup_steps),
     ).build(model, device=torch.device("cpu"))
+
+
+def _train(work: Path, perturb_seed: int | None = None):
+    from olmo_core.train import Duration, TrainerConfig
+
+    cfg = olmo_core(micro())
+    module = train_module(cfg)
     if perturb_seed is not None:  # after the build, which initialises the weights
-        _perturb(model, perturb_seed)
+        _perturb(module.model, perturb_seed)
     token_files = list(write_token_files(cfg, work).values())
     loader = olmo_core_loader(cfg, token_files, work / "data")
     snapshots, rows, draws = {}, {}, []

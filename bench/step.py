@@ -1,0 +1,158 @@
+"""The whole train step of the micro config (GA = 2, OLMo-core flags) on this CPU, on the golden
+trace's step-1 batch (data batch 0, its EMO pool draws, the step-0 weights): the jitted JAX
+`model.train_step.train_step` against OLMo-core's own step, `train_batch` + `optim_step` +
+`zero_grads` of the `OLMoDDPTrainModule` the trace trains with (`goldens.trace.train_module`),
+torch and XLA on the same cores. Target (the issue): JAX <= 0.25x OLMo-core's time; report the
+fraction of peak.
+
+OLMo-core's train module reads the step, the LR schedule and its metric sink from a `Trainer`, so
+a minimal one (no callbacks of ours, no checkpoints) is attached; its loader yields the batch. On a
+CPU OLMo-core runs the stand-ins of `goldens.cpu_standins`: KDA is FLA's token-by-token
+`naive_recurrent_kda`, not its chunked triton kernel. Timings need an idle machine: with another
+process on a core, torch's thousands of small ops a step slow down by up to 70x.
+
+Model FLOPs of a step (`model_flops`), tokens = global batch x seq_len, fwd + bwd = 3 x fwd:
+    3 x tokens x (2 N + attention + KDA), per token:
+    N = active params (routed experts top_k of num_experts) less the embedding table (a lookup);
+    attention = 2 T h d_h per attention layer (QK^T and PV over T/2 causal keys on average);
+    KDA = h (3 C K + 2 C V + C^2 / 3 + 6 K V) per KDA layer, chunk C, head dims K, V: the chunk's
+      lower triangles A_kk, A_qk, T(Gamma k), T v, A_qk v' and (I + A)^-1, then the state
+      [K, V] read by w and q and updated once.
+Peak: a jitted 2048 x 2048 float32 matmul (2 n^3 FLOPs), best of several.
+"""
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bench.timing import best_seconds
+from goldens.store import load_golden, resolve
+from model import train_step as ts
+from model.config import Config, micro, olmo_core
+from model.convert import from_olmo_core
+from model.data import OlmoData
+from model.objective import model_terms_fn
+
+TRACE_STEP = 1
+"""The golden trace's first step: data batch 0, the step-0 weights."""
+REPEATS = 5
+"""Timed steps a side, after one warm-up (compilation): a step takes seconds."""
+MATMUL_N = 2048
+
+
+def golden_config() -> Config:
+    """The micro config with OLMo-core's flags and the data goldens' global-indices file."""
+    order = load_golden("data/order.safetensors").entry["config"]
+    return olmo_core(micro(), global_indices_path=str(resolve(order["global_indices_file"])))
+
+
+def golden_batch(cfg: Config, step: int) -> dict[str, np.ndarray]:
+    """The micro-batches of trace step `step` (data batch step - 1) with the trace's EMO pool
+    draws: "pool_draws" [GA, b, n_moe_layers, T], the columns past a row's documents min_pool."""
+    token_files = load_golden("data/order.safetensors").entry["config"]["token_files"]
+    data = OlmoData.from_config(cfg, [resolve(p) for p in token_files])
+    batch = data.micro_batches(
+        step - 1,
+        ga_steps=cfg.train.ga_steps,
+        segment_ids_from_eos=cfg.flags.olmo_segment_ids_from_eos,
+    )
+    draws = load_golden("trace/metrics.safetensors")["pool_draws"][step - 1].astype(np.int32)
+    T, min_pool = cfg.train.seq_len, cfg.model.moe.emo.min_pool
+    # shape: [GA, L, b, docs] -> [GA, L, b, T] -> [GA, b, L, T]
+    draws = np.pad(draws, [(0, 0)] * 3 + [(0, T - draws.shape[-1])], constant_values=min_pool)
+    batch["pool_draws"] = draws.transpose(0, 2, 1, 3)
+    return batch
+
+
+def model_flops(cfg: Config) -> float:
+    """FLOPs of one train step, the formula of the module docstring."""
+    m, train = cfg.model, cfg.train
+    tokens, T = train.global_batch_size * train.seq_len, train.seq_len
+    n = m.num_active_params() - m.vocab_size * m.d_model
+    attention = 2 * T * m.attention.n_heads * m.attention.head_dim
+    C, K, V = m.kda.chunk_size, m.kda.head_dim, m.kda.head_v_dim
+    kda = m.kda.n_heads * (3 * C * K + 2 * C * V + C**2 / 3 + 6 * K * V)
+    per_token = (
+        2 * n + m.layer_types.count("attention") * attention + m.layer_types.count("kda") * kda
+    )
+    return 3 * tokens * per_token
+
+
+def _jax_step_seconds(cfg: Config, batch: dict[str, np.ndarray]) -> float:
+    params0 = load_golden("trace/params_step0.safetensors").tensors
+    graphdef, params = nnx.split(from_olmo_core(params0, cfg.model))
+    terms = model_terms_fn(graphdef, cfg)
+    step = jax.jit(lambda state, mb: ts.train_step(state, mb, cfg=cfg, terms_fn=terms))
+    state, mb = ts.init_state(params, cfg), jax.tree.map(jnp.asarray, batch)
+    return best_seconds(lambda: jax.block_until_ready(step(state, mb)), repeats=REPEATS)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _olmo_core_step_seconds(cfg: Config, input_ids: np.ndarray) -> float:
+    import torch
+    from olmo_core.train import Duration, TrainerConfig
+
+    from goldens.data import olmo_core_loader, write_token_files
+    from goldens.trace import STEP_SEED, train_module
+
+    os.environ.setdefault("MASTER_PORT", _free_port())  # a trace export may hold its default
+    module = train_module(cfg)
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        work = Path(tmp)
+        loader = olmo_core_loader(cfg, list(write_token_files(cfg, work).values()), work / "data")
+        trainer = TrainerConfig(
+            save_folder=str(work / "run"),
+            max_duration=Duration.steps(cfg.train.max_steps),
+            no_checkpoints=True,
+            device="cpu",
+        ).build(module, loader)
+        batch = next(iter(loader))
+        assert np.array_equal(batch["input_ids"].numpy(), input_ids), "not the JAX side's batch"
+
+        def step():
+            trainer.global_step += 1  # as `Trainer.fit`; the schedule and metrics read it
+            torch.manual_seed(STEP_SEED + TRACE_STEP)  # the trace's pool draws of this step
+            module.train_batch(dict(batch))
+            module.optim_step()
+            module.zero_grads()
+
+        return best_seconds(step, repeats=REPEATS)
+
+
+def _matmul_flops_per_s() -> float:
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((MATMUL_N, MATMUL_N), np.float32))
+    matmul = jax.jit(jnp.matmul)
+    return 2 * MATMUL_N**3 / best_seconds(lambda: jax.block_until_ready(matmul(a, a)))
+
+
+def run() -> dict[str, float]:
+    import torch
+
+    cfg = golden_config()
+    batch = golden_batch(cfg, TRACE_STEP)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # XLA's CPU pool: every core it may use
+    try:
+        olmo_core_s = _olmo_core_step_seconds(cfg, batch["inputs"].reshape(-1, cfg.train.seq_len))
+    finally:
+        torch.set_num_threads(threads)
+    jax_s = _jax_step_seconds(cfg, batch)
+    flops_per_s = model_flops(cfg) / jax_s
+    return {
+        "jax_step_s": jax_s,
+        "olmo_core_step_s": olmo_core_s,
+        "jax_over_olmo_core": jax_s / olmo_core_s,
+        "jax_flops_per_s": flops_per_s,
+        "fraction_of_matmul_peak": flops_per_s / _matmul_flops_per_s(),
+    }
