@@ -38,19 +38,38 @@ from model.config import Config, Flags
 from model.convert import from_olmo_core, to_olmo_core
 from model.golden_trace import METRICS, PER_LAYER, GoldenTrace, load_trace
 from model.objective import model_terms_fn
+from model.router import draw_pools, set_logits_dtype
 from model.sharding import make_mesh
 
 BARS = {name: REPLAY_CE if name == "ce" else REPLAY_METRIC for name in METRICS}
+DRAWS = ("olmo_core", "jax")
+DRAW_SEED = 2026
+"""`Run.draws == "jax"`: step s draws from `fold_in(key(DRAW_SEED), s)`."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """How the JAX side runs: `config` (flags), data devices (the routed MoE in `shard_map`
-    over them when > 1) and the GA reporting (`model.train_step.accumulate`)."""
+    """How the JAX side runs. The defaults are OLMo-core's; the others are the MaxText
+    behaviours `model.diagnosis` measures one at a time."""
 
     config: Config
     devices: int = 1
+    """Data devices; the routed MoE runs in `shard_map` over them when > 1."""
     ga_reporting: str = "batch"
+    """`model.train_step.accumulate`'s."""
+    aux_loss_div: str = "batch_labels"
+    """`model.objective.model_terms_fn`'s."""
+    router_logits_dtype: str = "float32"
+    """`model.router.set_logits_dtype`'s."""
+    draws: str = "olmo_core"
+    """EMO pool draws: OLMo-core's recorded ones, or "jax": the same distribution drawn with
+    `model.router.draw_pools` from a JAX key per step (other values)."""
+
+    def __post_init__(self):
+        if self.draws not in DRAWS:
+            raise ValueError(f"Run.draws must be one of {DRAWS}, got {self.draws!r}")
+        if self.devices < 1:
+            raise ValueError(f"Run.devices must be >= 1, got {self.devices}")
 
 
 def maxtext_config(config: Config) -> Config:
@@ -68,7 +87,7 @@ def _metrics(out: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def _step_fn(run: Run, graphdef):
     mesh = make_mesh(data=run.devices) if run.devices > 1 else None
-    terms = model_terms_fn(graphdef, run.config, mesh=mesh)
+    terms = model_terms_fn(graphdef, run.config, mesh=mesh, aux_loss_div=run.aux_loss_div)
     return jax.jit(
         functools.partial(
             ts.train_step, cfg=run.config, terms_fn=terms, ga_reporting=run.ga_reporting
@@ -76,8 +95,27 @@ def _step_fn(run: Run, graphdef):
     )
 
 
+def release_compiled() -> None:
+    """Drop every compiled train step (each holds its own LLVM code)."""
+    _step_fn.cache_clear()
+    jax.clear_caches()
+
+
 def _model(trace: GoldenTrace, run: Run, step: int):
-    return nnx.split(from_olmo_core(trace.params(step), run.config.model, flags=run.config.flags))
+    model = from_olmo_core(trace.params(step), run.config.model, flags=run.config.flags)
+    set_logits_dtype(model, run.router_logits_dtype)
+    return nnx.split(model)
+
+
+def micro_batches(trace: GoldenTrace, run: Run, step: int) -> dict[str, np.ndarray]:
+    """The trace's micro-batches of `step`, with JAX's own EMO draws when `run.draws` says so."""
+    batch = trace.micro_batches(step, run.config.flags)
+    if run.draws == "jax":
+        key = jax.random.fold_in(jax.random.key(DRAW_SEED), step)
+        shape = batch["pool_draws"].shape  # [GA, b, MoE layers, T]
+        flat = draw_pools(key, (int(np.prod(shape[:-1])), shape[-1]), emo=run.config.model.moe.emo)
+        batch["pool_draws"] = np.asarray(flat).reshape(shape)
+    return batch
 
 
 def free_running(
@@ -90,7 +128,7 @@ def free_running(
     state = ts.init_state(params, run.config)
     rows, saved = [], {}
     for step in range(1, steps + 1):
-        state, out = step_fn(state, trace.micro_batches(step, run.config.flags))
+        state, out = step_fn(state, micro_batches(trace, run, step))
         rows.append(_metrics(out))
         if step in trace.snapshot_steps:
             saved[step] = to_olmo_core(nnx.merge(graphdef, state.params))
@@ -105,9 +143,7 @@ def teacher_forced(trace: GoldenTrace, run: Run, *, steps: int) -> list[tuple[in
     for start in (s for s in trace.snapshot_steps if s < steps):
         graphdef, params = _model(trace, run, start)
         state = ts.TrainState(params, optim.init(params, run.config), jnp.asarray(start, jnp.int32))
-        _, metrics = _step_fn(run, graphdef)(
-            state, trace.micro_batches(start + 1, run.config.flags)
-        )
+        _, metrics = _step_fn(run, graphdef)(state, micro_batches(trace, run, start + 1))
         out.append((start + 1, _metrics(metrics)))
     return out
 

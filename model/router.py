@@ -103,6 +103,9 @@ class Router(nnx.Module):
     def __init__(self, config: MoEConfig, d_model: int, *, rngs: nnx.Rngs):
         self.config, self.d_model = config, d_model
         self.weight = nnx.Param(trunc_normal(0.02)(rngs.params(), (config.num_experts * d_model,)))
+        self.logits_dtype = "float32"
+        """The router matmul's dtype: OLMo-core's float32; "bfloat16" (MaxText's activation dtype)
+        is kept to measure what it changes (`set_logits_dtype`)."""
 
     def __call__(
         self,
@@ -112,8 +115,9 @@ class Router(nnx.Module):
         pools: jax.Array | None = None,
     ) -> Routing:
         c = self.config
-        w = self.weight[...].reshape(c.num_experts, self.d_model).astype(jnp.float32)
-        logits = x.astype(jnp.float32) @ w.T  # shape: [B, T, D] -> [B, T, E]
+        dtype = jnp.dtype(self.logits_dtype)
+        w = self.weight[...].reshape(c.num_experts, self.d_model).astype(dtype)
+        logits = (x.astype(dtype) @ w.T).astype(jnp.float32)  # shape: [B, T, D] -> [B, T, E]
         keep = None
         if c.emo is not None:
             if document_ids is None:
@@ -129,3 +133,12 @@ class Router(nnx.Module):
             restore_weight_scale=c.restore_weight_scale,
             keep=keep,
         )
+
+
+def set_logits_dtype(model: nnx.Module, dtype: str) -> None:
+    """Every router of `model` computes its logits in `dtype` ("float32" or "bfloat16")."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"router logits dtype must be float32 or bfloat16, got {dtype!r}")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Router):
+            module.logits_dtype = dtype

@@ -148,3 +148,21 @@ def test_old_ga_reporting_is_ga_times_too_large():
     assert_close("grads", expected=grads, actual=old_grads, tol=Tol(rtol=0.0, atol=0.0))
     with pytest.raises(ValueError, match="ga_reporting must be one of"):
         run(small_lm.micro_batches(rows, 4), "sum")
+
+
+@pytest.mark.parametrize("aux_loss_div", ["micro_batch_labels", "micro_batch_positions"])
+def test_micro_batch_aux_normalisers(whole_batch, aux_loss_div):
+    """As one micro-batch of two (the batch's D twice this one's labels), OLMo-core divides the
+    router losses by D; MaxText-style normalisers divide by the micro-batch's labels (2x the
+    losses: GA times) or positions."""
+    mb, div, (whole, _) = whole_batch
+    graphdef, params = _model()
+    batch_d = 2 * div
+    fn = model_terms_fn(graphdef, _config(True), aux_loss_div=aux_loss_div)
+    terms = jax.jit(fn)(params, mb, batch_d)
+    own = div if aux_loss_div == "micro_batch_labels" else mb["labels"].size
+    for name in ("lb_loss", "router_z_loss"):
+        assert_close(name, expected=whole[name] * div / own, actual=terms[name], tol=SHARDED)
+    assert_close("ce", expected=whole["ce"] / 2, actual=terms["ce"], tol=SHARDED)
+    with pytest.raises(ValueError, match="aux_loss_div must be one of"):
+        model_terms_fn(graphdef, _config(True), aux_loss_div="tokens")

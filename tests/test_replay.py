@@ -1,9 +1,8 @@
 """The main job on the golden trace: `python -m model.replay --steps 5` (free-running, OLMo-core
 flags) passes, writes the record in the issue's format and the plot, and every step of it is within
-the issue's bars; OLMo-core's total aux loss is our sum over layers and MaxText's mean is it over
-the number of MoE layers; `--flags maxtext` diverges on the aux loss at step 1 and says so."""
+the issue's bars; OLMo-core's total aux loss is our sum over layers (MaxText's mean over them:
+tests/test_diagnosis.py); `--flags maxtext` diverges on the aux loss at step 1 and says so."""
 
-import dataclasses
 import json
 
 import numpy as np
@@ -51,17 +50,6 @@ def test_olmo_core_total_aux_loss_is_the_sum_over_layers(replayed):
             f"{name} per layer", expected=layers["golden"], actual=layers["ours"], tol=MODEL_LOSS
         )
         assert np.isclose(sum(layers["ours"]), m["ours"], rtol=1e-6)
-
-
-def test_mean_reduction_is_the_sum_over_the_moe_layers():
-    trace = load_trace()
-    flags = dataclasses.replace(trace.config.flags, moe_aux_loss_reduction="mean")
-    run = replay.Run(dataclasses.replace(trace.config, flags=flags))
-    (row,), _ = replay.free_running(trace, run, steps=1, on_step=lambda *_: None)
-    n_moe = len(trace.moe_blocks)
-    for name in ("lb_loss", "router_z_loss"):
-        golden_sum = float(trace.metrics[name][0])
-        assert_close(name, expected=golden_sum / n_moe, actual=row[name], tol=MODEL_LOSS)
 
 
 def test_maxtext_flags_diverge_on_the_aux_loss(tmp_path, capsys):

@@ -1,0 +1,63 @@
+"""Every diagnosis candidate on the golden batch (`tox -e slow`): a 5-step ablation of OLMo-core's
+trace through the report generator, and at step 1, where every run starts from OLMo-core's weights,
+each candidate's code path changes what it should and nothing it should not."""
+
+import json
+
+import numpy as np
+import pytest
+
+from goldens.tolerances import MODEL_LOSS
+from model import diagnosis
+from model.golden_trace import load_trace
+from tests.compare import assert_close
+
+EXACT = 1e-6
+"""A step-1 gap this small is no change (float32 rounding of the same computation)."""
+
+
+@pytest.fixture(scope="module")
+def step_1(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diagnosis")
+    assert diagnosis.main(["--steps", "5", "--out", str(out)]) == 0
+    record = json.loads((out / "diagnosis.json").read_text())
+    assert (out / "diagnosis.md").read_text().count("| `") == len(record["candidates"])
+    return {c["name"]: {k: v[0] for k, v in c["gaps"].items()} for c in record["candidates"]}
+
+
+@pytest.mark.slow
+def test_every_candidate_changes_what_it_should(step_1):
+    trace = load_trace()
+    n_moe, ga = len(trace.moe_blocks), trace.config.train.ga_steps
+    batch = trace.micro_batches(1, trace.config.flags)
+    d = float(np.sum(batch["labels"] != -100))
+    positions = float(batch["labels"][0].size)
+    same_forward = ("ce",)
+    expected_aux_factor = {
+        "aux_mean": 1 / n_moe,
+        "ga_logs": ga,
+        "lb_div_micro_batch": ga,
+        "lb_div_positions": d / positions,
+    }
+    for name, factor in expected_aux_factor.items():
+        for metric in diagnosis.AUX:
+            assert_close(
+                f"{name} {metric}",
+                expected=factor - 1,
+                actual=step_1[name][metric],
+                tol=MODEL_LOSS,
+            )
+        assert abs(step_1[name]["ce"]) <= EXACT, name
+    assert abs(step_1["ga_logs"]["z_loss"] - (ga - 1)) <= 1e-5
+    assert abs(step_1["ga_logs"]["grad_norm"]) <= EXACT, "only the logs change"
+    assert abs(step_1["lb_div_micro_batch"]["grad_norm"]) > 1e-5, "the LB gradient changes"
+    for name in diagnosis.GAPS:
+        assert abs(step_1["olmo_core"][name]) <= EXACT, name
+        assert abs(step_1["warmup_from_0"][name]) <= EXACT, name  # LR 0 moves nothing yet
+    assert abs(step_1["lb_per_device"]["lb_loss"]) > 1e-4
+    assert all(abs(step_1["lb_per_device"][m]) <= EXACT for m in same_forward)
+    assert abs(step_1["router_bf16"]["router_z_loss"]) > EXACT
+    for name in ("jax_draws", "segments_per_row"):
+        assert abs(step_1[name]["lb_loss"]) > EXACT, name
+    for name in ("no_weight_norm", "no_scale_restore", "mixers_per_document"):
+        assert abs(step_1[name]["ce"]) > 1e-5, name
