@@ -59,5 +59,7 @@ def test_every_candidate_changes_what_it_should(step_1):
     assert abs(step_1["router_bf16"]["router_z_loss"]) > EXACT
     for name in ("jax_draws", "segments_per_row"):
         assert abs(step_1[name]["lb_loss"]) > EXACT, name
+    # at OLMo-core's step-0 weights the routed experts barely move the loss (CE 1e-6 .. 2e-5);
+    # their output scale, and the mixers' documents, show in the gradient (floor: 5.7e-7)
     for name in ("no_weight_norm", "no_scale_restore", "mixers_per_document"):
-        assert abs(step_1[name]["ce"]) > 1e-5, name
+        assert abs(step_1[name]["grad_norm"]) > 1e-4, name
