@@ -12,9 +12,9 @@ torch backend itself refuses intra-document masking on CPU.
 
 from __future__ import annotations
 
-from goldens.olmo_core_model import attention_config
+from goldens.olmo_core_model import ATTENTION_BACKEND, attention_config
 from goldens.store import GoldenFile
-from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_RTOL
+from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_COMPONENT
 from goldens.torch_layers import layer_vjp, to_numpy
 from model.config import micro
 
@@ -70,7 +70,8 @@ def export() -> list[GoldenFile]:
             tolerances={
                 "forward": FP32_FORWARD.as_dict(),
                 "grad": FP32_GRAD.as_dict(),
-                "regenerate_rtol": REGENERATE_RTOL,
+                "regenerate": REGENERATE_COMPONENT.as_dict(),
             },
+            substitutions=[ATTENTION_BACKEND],
         )
     ]

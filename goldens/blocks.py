@@ -1,54 +1,32 @@
-"""Goldens of single peri-norm blocks of OLMo-core's micro `OLMoDDPModel` (goldens.model's model
-with the trace's trained weights): block 0 (KDA mixer, dense SwiGLU), block 1 (KDA, latent MoE) and
-block 7 (attention, latent MoE), each on the input it gets in goldens.model's training forward
-(row 0), in training mode with recorded pool draws.
-
-`block_<kind>.safetensors`: x [1, T, d_model], input ids (their EOS give the EMO documents), for
-MoE blocks the pool draws [1, T] and `loss_div_factor` T - 1 (the row's labelled tokens), the
-output y, a token-mean cotangent and the gradients of sum(y * cotangent) (plus the weighted router
-losses OLMo-core attaches to a MoE block's output) w.r.t. x and every parameter of the block
-(OLMo-core keys, `blocks.<i>.` prefix kept).
+"""Single peri-norm blocks of OLMo-core's micro `OLMoDDPModel` (goldens.model), for the fp64
+oracles (goldens.oracle): block 0 (KDA mixer, dense SwiGLU), block 1 (KDA, latent MoE) and block 7
+(attention, latent MoE), each on the input it gets in goldens.model's training forward, in training
+mode with recorded pool draws; `block_vjp` gives the output and the gradients of sum(y * cotangent)
+(plus the weighted router losses OLMo-core attaches to a MoE block's output) w.r.t. x and every
+parameter of the block (OLMo-core keys, `blocks.<i>.` prefix kept).
 """
 
 from __future__ import annotations
 
-from goldens.model import DRAW_SEED, STANDINS, WEIGHTS, batch, prepared_model
+from goldens.model import DRAW_SEED
 from goldens.router import PoolRecorder
-from goldens.store import GoldenFile
-from goldens.tolerances import (
-    BLOCK_FORWARD,
-    BLOCK_GRAD,
-    KDA_BLOCK_FORWARD,
-    KDA_BLOCK_GRAD,
-    REGENERATE_RTOL,
-)
-from goldens.torch_layers import to_numpy, token_mean_cotangent
 
 BLOCKS = {"dense": 0, "kda": 1, "attention": 7}
-"""Golden name -> block index in the micro model."""
-SEED = 8008
-"""The cotangents' generator."""
-TOLERANCES = {
-    "dense": (KDA_BLOCK_FORWARD, KDA_BLOCK_GRAD),  # block 0's mixer is KDA
-    "kda": (KDA_BLOCK_FORWARD, KDA_BLOCK_GRAD),
-    "attention": (BLOCK_FORWARD, BLOCK_GRAD),
-}
-"""Golden name -> (forward, gradient) tolerances."""
+"""Case name -> block index in the micro model."""
 
 
-def _block_inputs(model, ids) -> dict[int, object]:
-    """The input of each block of `BLOCKS` in a training forward (no grad)."""
+def forward_inputs(model, ids, modules: dict) -> dict:
+    """The (first positional) input of each of `modules` ({key: submodule of `model`}) in a
+    training forward of `ids` with the draws of `DRAW_SEED` (no grad)."""
     import torch
 
     inputs = {}
-
-    def keep(index):
-        def hook(module, args):
-            inputs[index] = args[0].detach()
-
-        return hook
-
-    handles = [model.blocks[str(i)].register_forward_pre_hook(keep(i)) for i in BLOCKS.values()]
+    handles = [
+        module.register_forward_pre_hook(
+            lambda _, args, key=key: inputs.update({key: args[0].detach()})
+        )
+        for key, module in modules.items()
+    ]
     torch.manual_seed(DRAW_SEED)
     with torch.no_grad():
         model(ids, loss_div_factor=float(ids.numel()))
@@ -57,56 +35,35 @@ def _block_inputs(model, ids) -> dict[int, object]:
     return inputs
 
 
-def export() -> list[GoldenFile]:
+def loss_div_factor(block, ids) -> float | None:
+    """The router losses' divisor of a MoE block on one row `ids` [1, T]: its labelled tokens,
+    T - 1 (None for a dense block)."""
+    return float(ids.shape[1] - 1) if block.has_routed_experts else None
+
+
+def block_vjp(model, index: int, x, ids, cotangent) -> dict:
+    """Block `index` of `model` on x [1, T, d_model] (the documents of `ids`, draws of
+    `DRAW_SEED + index`): y, and the gradients of sum(y * cotangent) + the router losses it
+    attaches w.r.t. x and each block parameter ("grad.x", "grad.blocks.<index>.<name>"); for a
+    MoE block also the pool draws [1, T]."""
     import olmo_core.ops.moe as ops
     import torch
 
-    model = prepared_model()
-    eos = model.blocks["1"].routed_experts_router.eos_token_id
-    ids = torch.from_numpy(batch()[0][:1])
-    inputs = _block_inputs(model, ids)
-    generator = torch.Generator().manual_seed(SEED)
-    files = []
-    for kind, index in BLOCKS.items():
-        block = model.blocks[str(index)]
-        x = inputs[index].clone().requires_grad_(True)
-        tensors = {"x": x, "input_ids": ids}
-        kwargs = {}
-        if block.has_routed_experts:
-            recorder = PoolRecorder(block.routed_experts_router)
-            div = float(ids.shape[1] - 1)
-            kwargs = {"segment_ids": ops.segment_ids_from_eos(ids, eos), "loss_div_factor": div}
-        torch.manual_seed(DRAW_SEED + index)
-        y = block(x, **kwargs)
-        if block.has_routed_experts:
-            tensors["pool_draws"] = recorder.draws(0, ids.shape)
-        cotangent = token_mean_cotangent(y.shape, generator)
-        (y * cotangent).sum().backward()
-        tensors.update({"y": y, "cotangent": cotangent, "grad.x": x.grad})
-        for name, p in block.named_parameters():
-            tensors[f"grad.blocks.{index}.{name}"] = p.grad
-        model.zero_grad(set_to_none=True)
-        files.append(
-            GoldenFile(
-                path=f"block_{kind}.safetensors",
-                tensors=to_numpy(tensors),
-                producer="olmo_core.nn.ddp.block.OLMoDDPTransformerBlock of the micro "
-                "OLMoDDPModel (goldens.model.prepared_model)",
-                seeds={
-                    "torch_cotangent": SEED,
-                    "torch_global_before_block_forward": DRAW_SEED + index,
-                },
-                config={
-                    "block_index": index,
-                    "loss_div_factor": kwargs.get("loss_div_factor"),
-                    "weights": WEIGHTS,
-                },
-                tolerances={
-                    "forward": TOLERANCES[kind][0].as_dict(),
-                    "grad": TOLERANCES[kind][1].as_dict(),
-                    "regenerate_rtol": REGENERATE_RTOL,
-                },
-                substitutions=STANDINS,
-            )
-        )
-    return files
+    block = model.blocks[str(index)]
+    x = x.clone().requires_grad_(True)
+    tensors, kwargs = {}, {}
+    if block.has_routed_experts:
+        recorder = PoolRecorder(block.routed_experts_router)
+        eos = block.routed_experts_router.eos_token_id
+        segment_ids = ops.segment_ids_from_eos(ids, eos)
+        kwargs = {"segment_ids": segment_ids, "loss_div_factor": loss_div_factor(block, ids)}
+    torch.manual_seed(DRAW_SEED + index)
+    y = block(x, **kwargs)
+    if block.has_routed_experts:
+        tensors["pool_draws"] = recorder.draws(0, ids.shape)
+    (y * cotangent).sum().backward()
+    tensors.update({"y": y, "grad.x": x.grad})
+    for name, p in block.named_parameters():
+        tensors[f"grad.blocks.{index}.{name}"] = p.grad
+    model.zero_grad(set_to_none=True)
+    return tensors

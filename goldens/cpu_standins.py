@@ -19,9 +19,12 @@ tests/test_cpu_standins.py.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +42,27 @@ SUBSTITUTIONS = [
     "W - 1, per document of cu_seqlens, then the activation",
     "olmo_core.nn.attention.{flash_linear_attn_api,kda}.has_fla -> True",
 ]
+
+
+IGNORED_ARGUMENTS = {
+    "causal_conv1d": {"backend": "picks FLA's triton or CUDA kernel; one torch conv here"},
+    "FusedRMSNormGated.forward": {"residual_in_fp32": "only read with a residual, refused here"},
+}
+"""Arguments a stand-in accepts and ignores, each shown irrelevant to its result. Any other
+argument it does not implement raises `StandInError`."""
+
+
+class StandInError(NotImplementedError):
+    """OLMo-core asked a CPU stand-in for something it does not implement."""
+
+
+def refuse(stand_in: str, unknown: dict) -> None:
+    """Raise `StandInError` naming the keyword arguments in `unknown`, if any."""
+    if unknown:
+        raise StandInError(
+            f"CPU stand-in {stand_in} got {sorted(unknown)}, which it does not implement; "
+            "the golden would silently ignore them"
+        )
 
 
 def fla_naive() -> types.ModuleType:
@@ -66,7 +90,7 @@ def _activation(x: torch.Tensor, name: str | None) -> torch.Tensor:
         return F.silu(x)
     if name == "sigmoid":
         return torch.sigmoid(x)
-    raise NotImplementedError(name)
+    raise StandInError(f"CPU stand-in activation {name!r}")
 
 
 def _documents(T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -89,7 +113,7 @@ class FusedRMSNormGated(torch.nn.Module):
     ):
         super().__init__()
         if not elementwise_affine:
-            raise NotImplementedError("elementwise_affine=False")
+            raise StandInError("CPU stand-in FusedRMSNormGated: elementwise_affine=False")
         self.hidden_size, self.eps, self.activation = hidden_size, eps, activation
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.register_parameter("bias", None)
@@ -97,16 +121,18 @@ class FusedRMSNormGated(torch.nn.Module):
     def reset_parameters(self):
         torch.nn.init.ones_(self.weight)
 
-    def forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+    def forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False, **unknown):
+        refuse("FusedRMSNormGated.forward", unknown)
         if residual is not None or prenorm:
-            raise NotImplementedError("residual / prenorm")
+            raise StandInError("CPU stand-in FusedRMSNormGated.forward: residual / prenorm")
         x32 = _fp32(x)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * _fp32(self.weight)
         return (y * _activation(_fp32(g), self.activation)).to(x.dtype)
 
 
-def causal_conv1d(x, weight, bias=None, activation=None, backend=None, cu_seqlens=None, **_):
+def causal_conv1d(x, weight, bias=None, activation=None, backend=None, cu_seqlens=None, **unknown):
     """FLA's `causal_conv1d`: x [B, T, C], weight [C, W]; returns (y [B, T, C], None)."""
+    refuse("causal_conv1d", unknown)
     B, T, C = x.shape
     W = weight.shape[-1]
     if cu_seqlens is not None and B != 1:
@@ -145,10 +171,11 @@ def chunk_kda(
     A_log=None,
     dt_bias=None,
     cu_seqlens=None,
-    **_,
+    **unknown,
 ):
     """FLA's `chunk_kda` as OLMo-core calls it, through `naive_recurrent_kda` (which computes
     in fp32; its backward is torch autograd through FLA's reference)."""
+    refuse("chunk_kda", unknown)
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q), l2_normalize(k)
     if use_gate_in_kernel:
@@ -196,8 +223,9 @@ def install() -> None:
 
 
 MOE_SUBSTITUTIONS = [
-    "olmo_core.nn.moe.v2.routed_experts: USE_TORCH_GROUPED_MM = False (the host-side expert counts "
-    "path; torch's grouped_mm path asserts the counts are on a GPU)",
+    "olmo_core.nn.moe.v2.routed_experts: USE_TORCH_GROUPED_MM = False and "
+    "REQUIRES_HOST_SIDE_SPLIT_SIZES = True (the host-side expert counts path; torch's grouped_mm "
+    "path asserts the counts are on a GPU)",
     "grouped_gemm.ops.gmm (CUDA package) -> torch: one matmul per expert over its rows",
     "transformer_engine moe_permute / moe_unpermute (map_type='index') -> torch: rows sorted by "
     "expert (stable, token order within an expert); unpermute = sum over k of prob * row",
@@ -218,23 +246,29 @@ def grouped_gemm(a, b, batch_sizes, trans_b=False):
     return torch.cat(pieces, 0)
 
 
-def moe_permute(inp, routing_map, num_out_tokens=-1, map_type="index", **_):
+def moe_permute(inp, routing_map, num_out_tokens=-1, map_type="index", **unknown):
     """Transformer Engine's `moe_permute` with `map_type="index"`: inp [N, H], routing_map [N, k]
     expert ids -> (rows [N * k, H] sorted by expert, token order within an expert; row_id_map
     [N * k], the flat (token, slot) index of each row)."""
+    refuse("moe_permute", unknown)
     if map_type != "index" or num_out_tokens not in (-1, routing_map.numel()):
-        raise NotImplementedError(f"map_type={map_type!r}, num_out_tokens={num_out_tokens}")
+        raise StandInError(
+            f"CPU stand-in moe_permute: map_type={map_type!r}, num_out_tokens={num_out_tokens}"
+        )
     k = routing_map.shape[1]
     row_id_map = torch.argsort(routing_map.reshape(-1), stable=True)
     return inp[row_id_map // k], row_id_map
 
 
-def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="index", **_):
+def moe_unpermute(
+    inp, row_id_map, merging_probs=None, restore_shape=None, map_type="index", **unknown
+):
     """Transformer Engine's `moe_unpermute` with `map_type="index"`: rows [N * k, H] in
     `moe_permute`'s order -> [N, H], each token the sum over its k slots of prob * row, in
     (at least) fp32."""
+    refuse("moe_unpermute", unknown)
     if map_type != "index" or merging_probs is None:
-        raise NotImplementedError(f"map_type={map_type!r} without merging_probs")
+        raise StandInError(f"CPU stand-in moe_unpermute: map_type={map_type!r}, merging_probs None")
     N, k = merging_probs.shape
     slots = inp[torch.argsort(row_id_map)].view(N, k, -1)  # shape: [N * k, H] -> [N, k, H]
     out = (_fp32(slots) * _fp32(merging_probs).unsqueeze(-1)).sum(1).to(inp.dtype)
@@ -268,3 +302,48 @@ def install_moe() -> None:
     OLMoDDPTransformerBlock.get_dense_stream = lambda self, for_x1=False: None
     if not torch.cuda.is_available():
         torch.cuda.current_stream = lambda device=None: None
+
+
+FLOAT64_PATCHES = [
+    "float64 run: torch.Tensor.float() leaves float64 tensors float64 (OLMo-core upcasts to "
+    "float32 on purpose for bf16: RMSNorm full_precision x.float() (layer_norm.py:282), the "
+    "attention gate's g.float() (attention/__init__.py:1079), KDA's w_b(x).float().sigmoid() "
+    "(kda.py:187), the router's x / weight .float() (emo_router.py:85, router.py:491-493), "
+    "cross_entropy_loss's logits.float() (functional/cross_entropy_loss.py:35))",
+    "float64 run: torch default dtype float64 (scalable softmax's log of int64 lengths "
+    "(attention/__init__.py:883) and the router's loss accumulators (router.py:255-301) are "
+    "created in the default dtype)",
+    "float64 run: FLA naive_recurrent_kda's x.to(torch.float) (fla/ops/kda/naive.py:51) becomes "
+    "x.to(promote_types(x.dtype, float32)): the recurrence runs in float64",
+]
+"""What `float64_patches` changes, for the manifests. Each is a place where OLMo-core computes in
+float32 whatever its input (meant for bfloat16 training); the JAX model computes there in
+`model.precision.full_precision` of its dtype, which is the same float32 in a float32 run."""
+
+
+@contextmanager
+def float64_patches() -> Iterator[None]:
+    """Inside: an OLMo-core model cast to float64 computes in float64 throughout, forward and
+    backward (`FLOAT64_PATCHES`); float32 and integer tensors behave as before."""
+    to_float = torch.Tensor.float
+    default = torch.get_default_dtype()
+    naive = fla_naive()
+    recurrent = naive.naive_recurrent_kda
+    source = inspect.getsource(recurrent)
+    upcast = "x.to(torch.promote_types(x.dtype, torch.float))"
+    if source.count("x.to(torch.float)") != 1:
+        raise StandInError(
+            "float64_patches: FLA's naive_recurrent_kda no longer casts with one "
+            "`x.to(torch.float)`; update the float64 patch for this fla-core version"
+        )
+    scope = dict(naive.__dict__)
+    exec(compile(source.replace("x.to(torch.float)", upcast), naive.__file__, "exec"), scope)
+    torch.Tensor.float = lambda x, *a, **k: x if x.dtype == torch.float64 else to_float(x, *a, **k)
+    torch.set_default_dtype(torch.float64)
+    naive.naive_recurrent_kda = scope["naive_recurrent_kda"]
+    try:
+        yield
+    finally:
+        torch.Tensor.float = to_float
+        torch.set_default_dtype(default)
+        naive.naive_recurrent_kda = recurrent

@@ -26,6 +26,7 @@ import numpy as np
 
 from goldens.corpus import token_arrays
 from goldens.store import GoldenFile
+from goldens.tolerances import REGENERATE_EXACT
 from model.config import Config, micro
 
 DIR = "data"
@@ -35,7 +36,7 @@ RESUME_AFTER = 10
 """Batches after which the loader's state is saved and a fresh loader resumes from it."""
 RESUMED_BATCHES = 4
 """Batches kept from the resumed loader."""
-TOLERANCES = {"regenerate_rtol": 0.0}
+TOLERANCES = {"regenerate": REGENERATE_EXACT.as_dict()}
 """Token ids and instance ids: equal, bit for bit."""
 ON_CPU = [
     "no patches",

@@ -14,7 +14,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from goldens.store import GOLDENS_DIR, PINNED_VERSIONS, GoldenFile, write_golden
+from goldens.store import (
+    GOLDENS_DIR,
+    PINNED_VERSIONS,
+    GoldenFile,
+    recording_inputs,
+    write_golden,
+)
 
 COMPONENTS: dict[str, str] = {
     "rms_norm": "goldens.norms",
@@ -27,11 +33,12 @@ COMPONENTS: dict[str, str] = {
     "moe": "goldens.moe",
     "optim": "goldens.optim",
     "loss": "goldens.loss",
-    "model": "goldens.model",
-    "blocks": "goldens.blocks",
     "trace": "goldens.trace",
+    "oracle": "goldens.oracle",
 }
-"""Component name -> module whose `export()` returns its `GoldenFile`s."""
+"""Component name -> module whose `export()` returns its `GoldenFile`s. A component comes after
+the goldens it reads (the oracles read the trace's params and the data's tokens), so that
+exporting everything into goldens/ records the inputs' new sha256."""
 
 RECORDED_PACKAGES = (*PINNED_VERSIONS, "numpy", "safetensors")
 
@@ -39,6 +46,28 @@ RECORDED_PACKAGES = (*PINNED_VERSIONS, "numpy", "safetensors")
 def installed_versions() -> dict[str, str]:
     """Versions of the exporter's packages, local tags dropped (torch 2.13.0+cpu -> 2.13.0)."""
     return {p: importlib.metadata.version(p).split("+")[0] for p in RECORDED_PACKAGES}
+
+
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+"""/proc/cpuinfo flags that change which float kernels torch picks."""
+
+
+def machine() -> dict[str, str]:
+    """The CPU a golden is made on: its model name, the kernel ISA torch dispatches to
+    (`torch.backends.cpu.get_cpu_capability`) and its SIMD flags."""
+    import platform
+
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line and line.strip())
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name", platform.processor() or platform.machine()),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "simd": " ".join(f for f in SIMD_FLAGS if f in flags),
+    }
 
 
 def make_torch_deterministic() -> None:
@@ -62,11 +91,16 @@ def export(components: Sequence[str], out: Path) -> list[str]:
             "`tox -e goldens`, which installs the pinned versions"
         )
     make_torch_deterministic()
+    cpu = machine()
     written = []
     for component in components:
-        for golden in exporter(component)():
+        with recording_inputs() as inputs:
+            goldens = exporter(component)()
+        for golden in goldens:
             command = f"python -m goldens.export {component}"
-            write_golden(golden, command=command, versions=versions, root=out)
+            write_golden(
+                golden, command=command, versions=versions, machine=cpu, inputs=inputs, root=out
+            )
             written.append(golden.path)
     return written
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from goldens import olmo_core_model
 from goldens.cpu_standins import MOE_SUBSTITUTIONS, install_moe
+from goldens.olmo_core_model import ATTENTION_BACKEND, NO_EXPERT_PARALLELISM
 from goldens.router import LOSS_DIV_FACTOR, PoolRecorder, input_ids
 from goldens.store import GoldenFile
-from goldens.tolerances import FP32_GRAD, MOE_FORWARD, REGENERATE_RTOL
+from goldens.tolerances import FP32_GRAD, MOE_FORWARD, REGENERATE_COMPONENT
 from goldens.torch_layers import to_numpy, token_mean_cotangent
 from model.config import micro
 
@@ -156,9 +157,9 @@ def export() -> list[GoldenFile]:
         "tolerances": {
             "forward": MOE_FORWARD.as_dict(),
             "grad": FP32_GRAD.as_dict(),
-            "regenerate_rtol": REGENERATE_RTOL,
+            "regenerate": REGENERATE_COMPONENT.as_dict(),
         },
-        "substitutions": MOE_SUBSTITUTIONS,
+        "substitutions": [*MOE_SUBSTITUTIONS, ATTENTION_BACKEND, NO_EXPERT_PARALLELISM],
     }
     return [
         GoldenFile(path="moe.safetensors", tensors=to_numpy(tensors), **common),

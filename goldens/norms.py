@@ -3,7 +3,7 @@ one per-head norm with (H, D) gains (`weight_shape`, as attention's QK norm). In
 near-zero row so that eps matters. Gradients are of sum(y * cotangent)."""
 
 from goldens.store import GoldenFile
-from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_RTOL
+from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_COMPONENT
 
 SEED = 1001
 EPS = 1e-6
@@ -49,7 +49,7 @@ def export() -> list[GoldenFile]:
             tolerances={
                 "forward": FP32_FORWARD.as_dict(),
                 "grad": FP32_GRAD.as_dict(),
-                "regenerate_rtol": REGENERATE_RTOL,
+                "regenerate": REGENERATE_COMPONENT.as_dict(),
             },
         )
     ]

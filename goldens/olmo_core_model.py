@@ -13,6 +13,17 @@ from __future__ import annotations
 
 from model.config import AttentionConfig, KDAConfig, ModelConfig, TrainConfig
 
+ATTENTION_BACKEND = (
+    "AttentionConfig.backend = 'torch' (SDPA): the hero's flash attention needs a GPU"
+)
+EXPERIMENTAL_KERNELS_OFF = (
+    "KimiDeltaAttentionConfig.use_experimental_kernels = False (kernel_fun's kernels need a GPU)"
+)
+TRAINING_DTYPE = "OLMoDDPModel._training_dtype = float32 (the hero trains in bfloat16); no autocast"
+NO_EXPERT_PARALLELISM = "no expert parallelism: the v2 MoE's no_ep path"
+RUNTIME = [ATTENTION_BACKEND, EXPERIMENTAL_KERNELS_OFF, TRAINING_DTYPE, NO_EXPERT_PARALLELISM]
+"""What `build` runs OLMo-core with on this CPU besides the stand-ins, for the manifests."""
+
 _TRAIN_DEFAULTS = {
     f: TrainConfig.__dataclass_fields__[f].default
     for f in ("lb_loss_weight", "router_z_loss_weight", "init_seed")

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from goldens.store import GoldenFile
-from goldens.tolerances import REGENERATE_RTOL
+from goldens.tolerances import REGENERATE_COMPONENT
 from model.config import micro
 
 SEED = 6006
@@ -138,6 +138,6 @@ def export() -> list[GoldenFile]:
                     "sigma": 6,
                 },
             },
-            tolerances={"regenerate_rtol": REGENERATE_RTOL},
+            tolerances={"regenerate": REGENERATE_COMPONENT.as_dict()},
         )
     ]

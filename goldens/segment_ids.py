@@ -13,6 +13,7 @@ import numpy as np
 
 from goldens.corpus import BYTE_VOCAB
 from goldens.store import GoldenFile
+from goldens.tolerances import REGENERATE_EXACT
 from model.config import micro
 
 SEED = 1007
@@ -42,6 +43,6 @@ def export() -> list[GoldenFile]:
             producer="olmo_core.ops.moe.segment_ids_from_eos",
             seeds={"numpy": SEED},
             config={"eos_token_id": eos, "rows": ROWS, "length": LENGTH, "eos_rates": EOS_RATES},
-            tolerances={"regenerate_rtol": 0.0},
+            tolerances={"regenerate": REGENERATE_EXACT.as_dict()},
         )
     ]

@@ -1,18 +1,23 @@
 """The golden store: files under goldens/ and `goldens/manifest.json`.
 
 Manifest shape: {"files": {"<path relative to goldens/>": {"sha256", "format", "producer",
-"command", "versions", "seeds", "config", "tensors": {name: {"shape", "dtype"}}, "tolerances",
-"substitutions"}}}. A file's format is "safetensors" (named tensors) or "raw": one array as its
-little-endian bytes with no header, the layout of OLMo-core's token and global-indices files.
+"command", "versions", "machine", "inputs": {path: sha256}, "seeds", "config",
+"tensors": {name: {"shape", "dtype"}}, "tolerances", "substitutions"}}}. "machine" is the CPU the
+golden was made on; "inputs" the goldens its exporter read, each by the sha256 it had then. A
+file's format is "safetensors" (named tensors) or "raw": one array as its little-endian bytes with
+no header, the layout of OLMo-core's token and global-indices files.
 Loading checks, before any tensor is used, that the entry exists, the path stays inside goldens/,
-the sha256 matches, the versions are the pinned ones and the tensors are the listed ones; every
-failure names the file and the command that regenerates it.
+the sha256 matches, the versions are the pinned ones, the tensors are the listed ones and every
+input golden still has the sha256 it was built from; every failure names the file and the command
+that regenerates it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -20,7 +25,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from goldens.tolerances import REGENERATE_RTOL
+from goldens.tolerances import REGENERATE_KINDS
 
 GOLDENS_DIR = Path(__file__).resolve().parent
 MANIFEST_NAME = "manifest.json"
@@ -72,6 +77,22 @@ class Golden:
         return {k.removeprefix(prefix): v for k, v in self.tensors.items() if k.startswith(prefix)}
 
 
+_LOADED: list[dict[str, str]] = []
+"""One {path: sha256} per active `recording_inputs`."""
+
+
+@contextmanager
+def recording_inputs() -> Iterator[dict[str, str]]:
+    """Collects {path: sha256} of every golden `load_golden` verifies inside the block: what an
+    exporter was built from."""
+    loaded: dict[str, str] = {}
+    _LOADED.append(loaded)
+    try:
+        yield loaded
+    finally:
+        _LOADED.remove(loaded)
+
+
 def _regenerate_hint(entry: dict[str, Any] | None) -> str:
     command = (entry or {}).get("command") or "python -m goldens.export"
     return f"regenerate it with `tox -e goldens` (runs `{command}`)"
@@ -109,14 +130,22 @@ def tensor_specs(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
 
 
 def write_golden(
-    golden: GoldenFile, *, command: str, versions: dict[str, str], root: Path = GOLDENS_DIR
+    golden: GoldenFile,
+    *,
+    command: str,
+    versions: dict[str, str],
+    machine: dict[str, str],
+    inputs: dict[str, str],
+    root: Path = GOLDENS_DIR,
 ) -> None:
-    """Write the tensors and their manifest entry (replacing an earlier entry of that path)."""
-    rtol = golden.tolerances.get("regenerate_rtol")
-    if rtol is None or not 0.0 <= rtol <= REGENERATE_RTOL:
+    """Write the tensors and their manifest entry (replacing an earlier entry of that path).
+    `machine` is the CPU it was made on, `inputs` the {path: sha256} of the goldens it was built
+    from."""
+    regenerate = golden.tolerances.get("regenerate")
+    if not isinstance(regenerate, dict) or regenerate.get("kind") not in REGENERATE_KINDS:
         raise GoldenError(
-            f"{golden.path}: tolerances.regenerate_rtol must lie in [0, {REGENERATE_RTOL}], "
-            f"got {rtol!r}"
+            f"{golden.path}: tolerances.regenerate must be a goldens.tolerances.Regenerate "
+            f"record (kind one of {REGENERATE_KINDS}), got {regenerate!r}"
         )
     target = resolve(golden.path, root)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -135,6 +164,8 @@ def write_golden(
         "producer": golden.producer,
         "command": command,
         "versions": versions,
+        "machine": machine,
+        "inputs": dict(sorted(inputs.items())),
         "seeds": golden.seeds,
         "config": golden.config,
         "tensors": tensor_specs(tensors),
@@ -160,9 +191,23 @@ def _read_raw(file: Path, specs: dict[str, Any]) -> dict[str, np.ndarray]:
     return {name: np.fromfile(file, dtype=dtype.newbyteorder("<")).astype(dtype)}
 
 
-def load_golden(path: str, root: Path = GOLDENS_DIR) -> Golden:
-    """Load `goldens/<path>` after checking it against its manifest entry."""
-    entry = read_manifest(root)["files"].get(path)
+def _check_inputs(path: str, entry: dict[str, Any], files: dict[str, Any], hint: str) -> None:
+    """Every golden `path` was built from still has the sha256 it had then."""
+    for source, sha in entry.get("inputs", {}).items():
+        now = files.get(source, {}).get("sha256")
+        if now != sha:
+            raise GoldenError(
+                f"goldens/{path} was built from goldens/{source} with sha256 {sha[:16]}..., but "
+                f"goldens/{source} now has {str(now)[:16]}... (re-exported since): "
+                f"goldens/{path} is stale; {hint}"
+            )
+
+
+def load_golden(path: str, root: Path = GOLDENS_DIR, *, check_inputs: bool = True) -> Golden:
+    """Load `goldens/<path>` after checking it against its manifest entry (and, with
+    `check_inputs`, that the goldens it was built from are unchanged)."""
+    files = read_manifest(root)["files"]
+    entry = files.get(path)
     if entry is None:
         raise GoldenError(
             f"goldens/{path} is not in goldens/{MANIFEST_NAME}; {_regenerate_hint(None)}"
@@ -198,4 +243,8 @@ def load_golden(path: str, root: Path = GOLDENS_DIR) -> Golden:
             f"goldens/{path}: tensors {tensor_specs(tensors)} differ from the manifest's "
             f"{entry.get('tensors')}; {hint}"
         )
+    if check_inputs:
+        _check_inputs(path, entry, files, hint)
+    for loaded in _LOADED:
+        loaded[path] = entry["sha256"]
     return Golden(path=path, tensors=tensors, entry=entry)

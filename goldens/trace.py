@@ -30,8 +30,9 @@ import numpy as np
 
 from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS, install, install_moe
 from goldens.data import olmo_core_loader, write_token_files
+from goldens.olmo_core_model import RUNTIME
 from goldens.store import GoldenFile
-from goldens.tolerances import REGENERATE_RTOL
+from goldens.tolerances import REGENERATE_TRACE
 from model.config import Config, micro, olmo_core
 
 STEPS = 50
@@ -124,7 +125,7 @@ def _callbacks(snapshots: dict, rows: dict, draws: list):
     return {"step_seed": StepSeed(), "capture": Capture()}
 
 
-def _perturb(model, seed: int) -> None:
+def perturb_one_ulp(model, seed: int) -> None:
     """Every weight times 1 + s 2^-23, s uniform in {-1, 0, 1} (one ulp near 1)."""
     import torch
 
@@ -181,7 +182,7 @@ def _train(work: Path, perturb_seed: int | None = None):
     cfg = olmo_core(micro())
     module = train_module(cfg)
     if perturb_seed is not None:  # after the build, which initialises the weights
-        _perturb(module.model, perturb_seed)
+        perturb_one_ulp(module.model, perturb_seed)
     token_files = list(write_token_files(cfg, work).values())
     loader = olmo_core_loader(cfg, token_files, work / "data")
     snapshots, rows, draws = {}, {}, []
@@ -257,12 +258,12 @@ def export() -> list[GoldenFile]:
         "producer": "olmo_core.train.Trainer with OLMoDDPModel, OLMoDDPTrainModule, "
         "OLMoDDPOptimizer, NumpyFSLDataLoader",
         "seeds": {"init": cfg.train.init_seed, "data": cfg.train.data_seed, "step_seed": STEP_SEED},
-        "tolerances": {"regenerate_rtol": REGENERATE_RTOL},
+        "tolerances": {"regenerate": REGENERATE_TRACE.as_dict()},
         "substitutions": [
             *SUBSTITUTIONS,
             *MOE_SUBSTITUTIONS,
-            "torch.distributed: gloo process group of world size 1",
-            "OLMoDDPModel._training_dtype = float32",
+            *RUNTIME,
+            "torch.distributed: gloo process group of world size 1 (env://, MASTER_PORT 29551)",
         ],
     }
     files = [

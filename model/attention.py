@@ -5,7 +5,7 @@ head, scalable softmax with a learned scale per query head, elementwise sigmoid 
     q, k, v = w_q x, w_k x, w_v x                      (per head, head dim D)
     q, k = RMSNorm_head(q) * q_norm[h], RMSNorm_head(k) * k_norm[h]
     q = q * log(n) * ssmax_scale[h]                    (n: keys the query sees, itself included)
-    o = softmax(q k^T / sqrt(D), causal) v             (float32; query head h reads KV head h // G)
+    o = softmax(q k^T / sqrt(D), causal) v             (full precision; head h reads KV head h // G)
     y = w_out(o * sigmoid(w_g x))
 
 Parameter names are OLMo-core's; linear kernels are [in, out]. Differences: with segment ids and
@@ -25,6 +25,7 @@ from flax import nnx
 from model.config import AttentionConfig
 from model.init import linear
 from model.norms import RMSNorm
+from model.precision import full_precision, upcast
 
 
 def visible_lengths(segment_ids: jax.Array | None, T: int) -> jax.Array:
@@ -42,14 +43,15 @@ def visible_lengths(segment_ids: jax.Array | None, T: int) -> jax.Array:
 
 def scalable_softmax(q: jax.Array, scale: jax.Array, lengths: jax.Array) -> jax.Array:
     """q [B, T, H, D] times log(lengths) [B, T] times scale [H] (OLMo-core applies it to q)."""
-    factor = jnp.log(lengths.astype(jnp.float32))[..., None] * scale  # shape: [B, T, H]
+    factor = jnp.log(lengths.astype(full_precision(q.dtype)))[..., None] * scale  # shape: [B, T, H]
     return q * factor[..., None].astype(q.dtype)
 
 
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None
 ) -> jax.Array:
-    """Causal softmax attention in float32 with grouped KV heads.
+    """Causal softmax attention in full precision (float32; float64 for float64) with grouped KV
+    heads.
 
     q: [B, T, H, D]; k, v: [B, T, Hkv, D], Hkv divides H, query head h reads KV head h // (H/Hkv)
     (OLMo-core's repeat_kv); segment_ids: [B, T] or None (no document masking). Scale 1/sqrt(D).
@@ -58,21 +60,22 @@ def causal_attention(
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
-    qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32)) / math.sqrt(D)
+    qg = upcast(q).reshape(B, T, Hkv, G, D)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, upcast(k)) / math.sqrt(D)
     mask = jnp.tril(jnp.ones((T, T), bool))[None]  # shape: [1, Tq, Tk]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])  # shape: [B, Tq, Tk]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)  # shape: [B, Hkv, G, Tq, Tk]
-    o = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32))
+    o = jnp.einsum("bkgqs,bskd->bqkgd", probs, upcast(v))
     return o.reshape(B, T, H, D).astype(q.dtype)
 
 
 class Attention(nnx.Module):
     """x [B, T, d_model] -> [B, T, d_model]. `ignore_segment_ids` is
     `Flags.olmoe3_mixers_ignore_segment_ids`. `out_std` is w_out's init std (OLMo-core scales it
-    by init method; `std` for "normal"). QK-norm gains and scalable-softmax scales start at 1."""
+    by init method; `std` for "normal"). QK-norm gains and scalable-softmax scales start at 1.
+    `dtype`: the compute dtype (`model.precision`)."""
 
     def __init__(
         self,
@@ -82,18 +85,19 @@ class Attention(nnx.Module):
         ignore_segment_ids: bool,
         std: float = 0.02,
         out_std: float | None = None,
+        dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.config, self.ignore_segment_ids = config, ignore_segment_ids
         H, Hkv, D = config.n_heads, config.n_kv_heads, config.head_dim
-        self.w_q = linear(d_model, H * D, std, rngs)
-        self.w_k = linear(d_model, Hkv * D, std, rngs)
-        self.w_v = linear(d_model, Hkv * D, std, rngs)
-        self.w_g = linear(d_model, H * D, std, rngs)
-        self.w_out = linear(H * D, d_model, std if out_std is None else out_std, rngs)
-        self.q_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(H, D))
-        self.k_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(Hkv, D))
-        self.ssmax_scale = nnx.Param(jnp.ones((H,), jnp.float32))
+        self.w_q = linear(d_model, H * D, std, rngs, dtype=dtype)
+        self.w_k = linear(d_model, Hkv * D, std, rngs, dtype=dtype)
+        self.w_v = linear(d_model, Hkv * D, std, rngs, dtype=dtype)
+        self.w_g = linear(d_model, H * D, std, rngs, dtype=dtype)
+        self.w_out = linear(H * D, d_model, std if out_std is None else out_std, rngs, dtype=dtype)
+        self.q_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(H, D), dtype=dtype)
+        self.k_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(Hkv, D), dtype=dtype)
+        self.ssmax_scale = nnx.Param(jnp.ones((H,), full_precision(dtype)))
 
     def qkv(
         self, x: jax.Array, segment_ids: jax.Array | None = None
@@ -112,5 +116,5 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, segment_ids)
         seg = None if self.ignore_segment_ids else segment_ids
         o = causal_attention(q, k, v, segment_ids=seg).reshape(B, T, -1)
-        gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
+        gate = jax.nn.sigmoid(upcast(self.w_g(x)))
         return self.w_out((o * gate).astype(x.dtype))

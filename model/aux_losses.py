@@ -38,11 +38,11 @@ def load_balancing_loss(
 ) -> jax.Array:
     """Switch-style load-balancing loss of one layer (OLMo-core `local_batch` granularity).
 
-    expert_scores: [B, T, E] float32 router probabilities over all experts; expert_counts: [E]
-    token slots of the chosen experts (no gradient). With `axis_name` (inside `shard_map`, the data
-    axis; `Flags.moe_global_load_balancing`, OLMo-core `global_load_balancing`) the counts are
-    summed over that axis and divided by its size: every device balances against the global
-    counts, while its scores stay local. Returns a scalar.
+    expert_scores: [B, T, E] full-precision router probabilities over all experts;
+    expert_counts: [E] token slots of the chosen experts (no gradient). With `axis_name` (inside
+    `shard_map`, the data axis; `Flags.moe_global_load_balancing`, OLMo-core
+    `global_load_balancing`) the counts are summed over that axis and divided by its size: every
+    device balances against the global counts, while its scores stay local. Returns a scalar.
     """
     E = expert_scores.shape[-1]
     counts = jax.lax.stop_gradient(expert_counts).astype(expert_scores.dtype)
@@ -54,6 +54,6 @@ def load_balancing_loss(
 
 
 def router_z_loss(router_logits: jax.Array, *, loss_div_factor=None) -> jax.Array:
-    """Router z-loss of one layer. router_logits: [B, T, E] float32. Returns a scalar."""
+    """Router z-loss of one layer. router_logits: [B, T, E] full precision. Returns a scalar."""
     lse = jax.nn.logsumexp(router_logits, axis=-1)  # shape: [B, T, E] -> [B, T]
     return jnp.sum(jnp.square(lse)) / _div_factor(router_logits.shape, loss_div_factor)

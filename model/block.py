@@ -21,6 +21,7 @@ from model.config import ModelConfig
 from model.kda import KimiDeltaAttention
 from model.moe import LatentMoE, MoEAux, SharedExpert
 from model.norms import RMSNorm
+from model.precision import compute_dtype
 
 NORMS = ("attention_input_norm", "attention_norm", "feed_forward_input_norm", "feed_forward_norm")
 """The four peri-norms of a block, OLMo-core's names."""
@@ -30,7 +31,7 @@ class Block(nnx.Module):
     """Block `index` of `config`: x [B, T, d_model] -> (out [B, T, d_model], MoEAux or None).
 
     `ignore_segment_ids` is `Flags.olmoe3_mixers_ignore_segment_ids`, `kda_inverse`
-    `Flags.kda_inverse`."""
+    `Flags.kda_inverse`; every sublayer computes in `config.compute_dtype`."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class Block(nnx.Module):
         rngs: nnx.Rngs,
     ):
         d, std = config.d_model, config.init_std
+        dtype = compute_dtype(config.compute_dtype)
         layer_type = config.layer_types[index]
         if layer_type == "kda":
             self.attention = KimiDeltaAttention(
@@ -50,21 +52,27 @@ class Block(nnx.Module):
                 inverse=kda_inverse,
                 ignore_segment_ids=ignore_segment_ids,
                 std=std,
+                dtype=dtype,
                 rngs=rngs,
             )
         elif layer_type == "attention":
             self.attention = Attention(
-                config.attention, d, ignore_segment_ids=ignore_segment_ids, std=std, rngs=rngs
+                config.attention,
+                d,
+                ignore_segment_ids=ignore_segment_ids,
+                std=std,
+                dtype=dtype,
+                rngs=rngs,
             )
         else:
             raise NotImplementedError(layer_type)
         self.is_moe = index not in config.dense_layers
         if self.is_moe:
-            self.feed_forward = LatentMoE(config.moe, d, rngs=rngs)
+            self.feed_forward = LatentMoE(config.moe, d, dtype=dtype, rngs=rngs)
         else:
-            self.feed_forward = SharedExpert(d, config.dense_hidden, rngs=rngs)
+            self.feed_forward = SharedExpert(d, config.dense_hidden, dtype=dtype, rngs=rngs)
         for name in NORMS:
-            setattr(self, name, RMSNorm(d, eps=config.norm_eps))
+            setattr(self, name, RMSNorm(d, eps=config.norm_eps, dtype=dtype))
 
     def __call__(
         self,

@@ -22,6 +22,7 @@ SCHEDULES = ("constant_with_warmup", "cosine", "linear", "wsd")
 AUX_LOSS_REDUCTIONS = ("mean", "sum")
 KDA_INVERSES = ("forward_substitution", "newton_schulz", "power_series")
 POSITIONAL_ENCODINGS = ("none",)
+COMPUTE_DTYPES = ("float32", "float64", "bfloat16")
 
 
 class _Config:
@@ -226,9 +227,18 @@ class ModelConfig(_Config):
     norm_eps: float = 1e-6
     """Eps of every block, embedding and LM-head RMSNorm."""
     init_std: float = 0.02
+    compute_dtype: str = "float32"
+    """"float32"; "float64" (params too; needs jax_enable_x64) to compare with OLMo-core in
+    float64; "bfloat16" activations with float32 params and float32 norms, softmaxes, router, KDA
+    and losses (MaxText's training precision). See `model.precision`."""
 
     def validate(self) -> None:
         self._positive("d_model", "n_layers", "vocab_size", "dense_hidden", "norm_eps", "init_std")
+        self._require(
+            self.compute_dtype in COMPUTE_DTYPES,
+            "compute_dtype",
+            f"must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}",
+        )
         self._require(
             0 <= self.eos_token_id < self.vocab_size,
             "eos_token_id",

@@ -7,7 +7,8 @@ Public API: `from_olmo_core(state_dict, cfg)` -> `model.transformer.Transformer`
 `to_olmo_core(model)` -> state dict, through `model_entries(cfg)`, built from the component tables.
 
 Layouts: "linear" is OLMo-core's weight [out, in] vs our kernel [in, out]; "conv" is a depthwise
-conv weight [C, 1, W] vs ours [C, W]; "same" is unchanged.
+conv weight [C, 1, W] vs ours [C, W]; "same" is unchanged. Values are converted to the dtype of the
+param they fill (float64 in a float64 model, float32 otherwise); exporting keeps the params' dtype.
 """
 
 from __future__ import annotations
@@ -103,10 +104,10 @@ def _to_olmo_core(array: np.ndarray, layout: str) -> np.ndarray:
     raise NotImplementedError(layout)
 
 
-def _numpy(value) -> np.ndarray:
+def _numpy(value, dtype) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor
         value = value.detach().cpu().numpy()
-    return np.asarray(value, dtype=np.float32)
+    return np.asarray(value, dtype=dtype)
 
 
 def _flat_params(state: nnx.State) -> dict[tuple, np.ndarray]:
@@ -114,11 +115,10 @@ def _flat_params(state: nnx.State) -> dict[tuple, np.ndarray]:
 
 
 def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]) -> None:
-    """Assign an OLMo-core state dict to `module`'s params by `entries`; all checks come first.
-    `module` may be abstract (`nnx.eval_shape`): only its param shapes are read."""
-    ours = {
-        path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))
-    }
+    """Assign an OLMo-core state dict to `module`'s params by `entries`, each value converted to
+    its param's dtype; all checks come first. `module` may be abstract (`nnx.eval_shape`): only
+    its param shapes and dtypes are read."""
+    ours = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
     by_key = {e.torch_key: e for e in entries}
     unknown = sorted(set(state_dict) - set(by_key))
     missing = sorted(set(by_key) - set(state_dict))
@@ -129,12 +129,12 @@ def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]
         raise KeyError(f"params with no OLMo-core key: {unmapped}")
     converted = {}
     for key, entry in by_key.items():
-        value = _to_ours(_numpy(state_dict[key]), entry.layout)
         want = ours[entry.path]
-        if value.shape != want:
+        value = _to_ours(_numpy(state_dict[key], want.dtype), entry.layout)
+        if value.shape != want.shape:
             raise ValueError(
                 f"{key}: shape {value.shape} after the {entry.layout!r} layout, "
-                f"expected {want} for {'.'.join(map(str, entry.path))}"
+                f"expected {want.shape} for {'.'.join(map(str, entry.path))}"
             )
         converted[entry.path] = value
     nested: dict = {}
@@ -178,9 +178,10 @@ def model_entries(config: ModelConfig) -> list[Entry]:
 
 
 def from_olmo_core(state_dict: Mapping, cfg: ModelConfig, *, flags: Flags | None = None):
-    """An OLMo-core `OLMoDDPModel` state dict -> `Transformer`. `flags` sets the mixers'
-    switches; None is OLMo-core's behaviour (mixers see the whole instance). No random init:
-    the module is built from abstract shapes and every param comes from the state dict."""
+    """An OLMo-core `OLMoDDPModel` state dict -> `Transformer` in `cfg.compute_dtype` (float64
+    params for "float64": compare with OLMo-core's model after `.to(torch.float64)`). `flags` sets
+    the mixers' switches; None is OLMo-core's behaviour (mixers see the whole instance). No random
+    init: the module is built from abstract shapes and every param comes from the state dict."""
     flags = flags or Flags(olmoe3_mixers_ignore_segment_ids=True)
     model = nnx.eval_shape(
         lambda: Transformer(
@@ -195,5 +196,5 @@ def from_olmo_core(state_dict: Mapping, cfg: ModelConfig, *, flags: Flags | None
 
 
 def to_olmo_core(model) -> dict[str, np.ndarray]:
-    """A `Transformer`'s params as an OLMo-core `OLMoDDPModel` state dict."""
+    """A `Transformer`'s params as an OLMo-core `OLMoDDPModel` state dict, in the params' dtype."""
     return params_to_olmo_core(nnx.state(model, nnx.Param), model_entries(model.config))

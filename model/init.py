@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.precision import full_precision
+
 
 def trunc_normal(std: float):
     """Normal(0, std) truncated to [-3 std, 3 std], as OLMo-core's `init_linear`."""
@@ -23,6 +25,17 @@ def log_uniform(low: float, high: float):
     return init
 
 
-def linear(d_in: int, d_out: int, std: float, rngs: nnx.Rngs, *, bias: bool = False) -> nnx.Linear:
-    """A linear layer, kernel [in, out] drawn `trunc_normal(std)`, bias (if any) zero."""
-    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=trunc_normal(std), rngs=rngs)
+def linear(
+    d_in: int, d_out: int, std: float, rngs: nnx.Rngs, *, bias: bool = False, dtype=jnp.float32
+) -> nnx.Linear:
+    """A linear layer, kernel [in, out] drawn `trunc_normal(std)`, bias (if any) zero; computes in
+    `dtype` (the compute dtype), params in `full_precision(dtype)`."""
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        kernel_init=trunc_normal(std),
+        dtype=dtype,
+        param_dtype=full_precision(dtype),
+        rngs=rngs,
+    )

@@ -21,13 +21,15 @@ from model.config import KDAConfig
 from model.init import linear, log_uniform, trunc_normal
 from model.kda_chunk import chunk_kda, kda_beta, kda_gate, l2_normalize
 from model.norms import rms_norm
+from model.precision import full_precision
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
     """Depthwise causal convolution then SiLU. x [B, T, C]; weight [C, W], weight[:, W-1] meets
-    the current token; segment_ids [B, T] keep taps inside the current segment."""
+    the current token; segment_ids [B, T] keep taps inside the current segment. Computed and
+    returned in full precision."""
     W = weight.shape[-1]
-    y = jnp.zeros(x.shape, jnp.float32)
+    y = jnp.zeros(x.shape, full_precision(x.dtype))
     for s in range(W):  # tap s reads x_{t-s}
         shifted = jnp.pad(x, [(0, 0), (s, 0), (0, 0)])[:, : x.shape[1]]
         if segment_ids is not None:
@@ -38,8 +40,9 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None
 
 
 class CausalConv1d(nnx.Module):
-    def __init__(self, channels: int, width: int, *, std: float, rngs: nnx.Rngs):
-        self.weight = nnx.Param(trunc_normal(std)(rngs.params(), (channels, width)))
+    def __init__(self, channels: int, width: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs):
+        shape = (channels, width)
+        self.weight = nnx.Param(trunc_normal(std)(rngs.params(), shape, full_precision(dtype)))
 
     def __call__(self, x, segment_ids=None):
         return causal_conv1d(x, self.weight[...], segment_ids)
@@ -48,7 +51,8 @@ class CausalConv1d(nnx.Module):
 class KimiDeltaAttention(nnx.Module):
     """x [B, T, d_model] -> [B, T, d_model]. `inverse` is `Flags.kda_inverse`;
     `ignore_segment_ids` is `Flags.olmoe3_mixers_ignore_segment_ids`. `out_std` is the output
-    projection's init std (OLMo-core scales it by init method; `std` for "normal")."""
+    projection's init std (OLMo-core scales it by init method; `std` for "normal"). `dtype`: the
+    compute dtype (`model.precision`)."""
 
     def __init__(
         self,
@@ -59,25 +63,27 @@ class KimiDeltaAttention(nnx.Module):
         ignore_segment_ids: bool,
         std: float = 0.02,
         out_std: float | None = None,
+        dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.config, self.inverse, self.ignore_segment_ids = config, inverse, ignore_segment_ids
         H, dk, dv = config.n_heads, config.head_dim, config.head_v_dim
-        self.w_q = linear(d_model, H * dk, std, rngs)
-        self.w_k = linear(d_model, H * dk, std, rngs)
-        self.w_v = linear(d_model, H * dv, std, rngs)
-        self.q_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, rngs=rngs)
-        self.k_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, rngs=rngs)
-        self.v_conv1d = CausalConv1d(H * dv, config.conv_size, std=std, rngs=rngs)
-        self.f_proj_1 = linear(d_model, dv, std, rngs)
-        self.f_proj_2 = linear(dv, H * dk, std, rngs)
-        self.w_b = linear(d_model, H, std, rngs)
-        self.A_log = nnx.Param(log_uniform(1.0, 16.0)(rngs.params(), (H,)))
-        self.dt_bias = nnx.Param(jnp.zeros((H * dk,), jnp.float32))
-        self.g_proj_1 = linear(d_model, dv, std, rngs)
-        self.g_proj_2 = linear(dv, H * dv, std, rngs, bias=True)
-        self.o_norm = nnx.Param(jnp.ones((dv,), jnp.float32))
-        self.w_out = linear(H * dv, d_model, std if out_std is None else out_std, rngs)
+        p_dtype = full_precision(dtype)
+        self.w_q = linear(d_model, H * dk, std, rngs, dtype=dtype)
+        self.w_k = linear(d_model, H * dk, std, rngs, dtype=dtype)
+        self.w_v = linear(d_model, H * dv, std, rngs, dtype=dtype)
+        self.q_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, dtype=dtype, rngs=rngs)
+        self.k_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, dtype=dtype, rngs=rngs)
+        self.v_conv1d = CausalConv1d(H * dv, config.conv_size, std=std, dtype=dtype, rngs=rngs)
+        self.f_proj_1 = linear(d_model, dv, std, rngs, dtype=dtype)
+        self.f_proj_2 = linear(dv, H * dk, std, rngs, dtype=dtype)
+        self.w_b = linear(d_model, H, std, rngs, dtype=dtype)
+        self.A_log = nnx.Param(log_uniform(1.0, 16.0)(rngs.params(), (H,), p_dtype))
+        self.dt_bias = nnx.Param(jnp.zeros((H * dk,), p_dtype))
+        self.g_proj_1 = linear(d_model, dv, std, rngs, dtype=dtype)
+        self.g_proj_2 = linear(dv, H * dv, std, rngs, bias=True, dtype=dtype)
+        self.o_norm = nnx.Param(jnp.ones((dv,), p_dtype))
+        self.w_out = linear(H * dv, d_model, std if out_std is None else out_std, rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         c = self.config

@@ -1,6 +1,7 @@
-"""Kimi Delta Attention math, float32: the recurrent reference, the chunked form and the inverse
-of its chunk system. Mirrors FLA's `fla/ops/kda/naive.py` (`naive_recurrent_kda`,
-`naive_chunk_kda`), which OLMo-core's `KimiDeltaAttention` reaches through `chunk_kda`.
+"""Kimi Delta Attention math in full precision (float32; float64 for float64 inputs,
+`model.precision`): the recurrent reference, the chunked form and the inverse of its chunk system.
+Mirrors FLA's `fla/ops/kda/naive.py` (`naive_recurrent_kda`, `naive_chunk_kda`), which OLMo-core's
+`KimiDeltaAttention` reaches through `chunk_kda`.
 
 Per head, with state S [K, V], decay g_t [K] (log space, <= 0) and beta_t:
     S <- diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = scale * S^T q_t.
@@ -26,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from model.precision import full_precision, upcast
+
 L2_NORM_EPS = 1e-6
 """FLA's `l2norm` eps, added to the sum of squares (not to the norm)."""
 SUB_BLOCK = 16
@@ -34,24 +37,24 @@ INVERSES = ("forward_substitution", "newton_schulz", "power_series")
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
-    """x [..., K] -> x / sqrt(sum(x^2) + 1e-6), in float32 (FLA `l2norm`)."""
-    x = x.astype(jnp.float32)
+    """x [..., K] -> x / sqrt(sum(x^2) + 1e-6), in full precision (FLA `l2norm`)."""
+    x = upcast(x)
     return x * lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + L2_NORM_EPS)
 
 
 def kda_gate(raw: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
     """Log-space decay g = -exp(A_log[h]) * softplus(raw + dt_bias) (FLA `naive_kda_gate`).
 
-    raw [B, T, H, K]; a_log [H]; dt_bias [H * K]. Returns g [B, T, H, K] <= 0, float32.
+    raw [B, T, H, K]; a_log [H]; dt_bias [H * K]. Returns g [B, T, H, K] <= 0, full precision.
     """
     H, K = raw.shape[-2:]
-    x = raw.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, K)
-    return -jnp.exp(a_log.astype(jnp.float32))[:, None] * jax.nn.softplus(x)
+    x = upcast(raw) + upcast(dt_bias).reshape(H, K)
+    return -jnp.exp(upcast(a_log))[:, None] * jax.nn.softplus(x)
 
 
 def kda_beta(logits: jax.Array, *, allow_neg_eigval: bool) -> jax.Array:
     """beta = sigmoid(logits), doubled when eigenvalues of (I - beta k k^T) may be negative."""
-    beta = jax.nn.sigmoid(logits.astype(jnp.float32))
+    beta = jax.nn.sigmoid(upcast(logits))
     return 2.0 * beta if allow_neg_eigval else beta
 
 
@@ -59,15 +62,20 @@ def kda_beta(logits: jax.Array, *, allow_neg_eigval: bool) -> jax.Array:
 
 
 def _forward_substitution(a: jax.Array) -> jax.Array:
-    """(I + a)^-1 for strictly lower a [..., n, n], row by row: X_i = e_i - sum_{j<i} a_ij X_j."""
+    """(I + a)^-1 for strictly lower a [..., n, n], row by row: X_i = e_i - sum_{j<i} a_ij X_j.
+
+    A loop, not unrolled (one row's ops to compile). Row i sums over every j: the rows j >= i of X
+    are still e_j, and a_ij = 0 there, so those terms add exact zeros."""
     n = a.shape[-1]
-    x = jnp.broadcast_to(jnp.eye(n, dtype=a.dtype), a.shape)
-    for i in range(1, n):
-        row = jnp.eye(n, dtype=a.dtype)[i] - jnp.einsum(
-            "...j,...jc->...c", a[..., i, :i], x[..., :i, :]
-        )
-        x = x.at[..., i, :].set(row)
-    return x
+    eye = jnp.eye(n, dtype=a.dtype)
+
+    def substitute(i, x):
+        a_i = lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=False)  # [..., n]
+        row = eye[i] - jnp.einsum("...j,...jc->...c", a_i, x)
+        return lax.dynamic_update_index_in_dim(x, row, i, axis=-2)
+
+    # eye "like" a: inside `shard_map` the carry varies over the same axes as a does
+    return lax.fori_loop(1, n, substitute, jnp.zeros_like(a) + eye)
 
 
 def _blocked_forward_substitution(a: jax.Array) -> jax.Array:
@@ -80,7 +88,8 @@ def _blocked_forward_substitution(a: jax.Array) -> jax.Array:
         a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, pad), (0, pad)])
     # shape: [..., n*S, n*S] -> [..., n, S, n, S]
     blocks = a.reshape(*a.shape[:-2], n, SUB_BLOCK, n, SUB_BLOCK)
-    diag_inv = [_forward_substitution(blocks[..., b, :, b, :]) for b in range(n)]
+    diagonal = jnp.stack([blocks[..., b, :, b, :] for b in range(n)], axis=-3)  # [..., n, S, S]
+    diag_inv = list(jnp.moveaxis(_forward_substitution(diagonal), -3, 0))
     x = [[None] * n for _ in range(n)]
     for i in range(n):
         x[i][i] = diag_inv[i]
@@ -134,11 +143,12 @@ def _prepare(q, k, v, g, beta, scale, initial_state, segment_ids):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    dtype = full_precision(jnp.result_type(q, k, v, g, beta))
+    q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
     # zeros "like" the inputs: inside `shard_map` the state varies over the same axes as they do
     state = jnp.zeros_like(k, shape=(B, H, K, V)) if initial_state is None else initial_state
     segment_ids = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
-    return q * scale, k, v, g, beta, state.astype(jnp.float32), segment_ids
+    return q * scale, k, v, g, beta, state.astype(dtype), segment_ids
 
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
@@ -146,7 +156,8 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 
     q, k [B, T, H, K] (already L2-normed); v [B, T, H, V]; g [B, T, H, K] log decay (<= 0);
     beta [B, T, H]; scale default K**-0.5; initial_state [B, H, K, V]; segment_ids [B, T] restart
-    the state where they change. Returns (o [B, T, H, V], final_state [B, H, K, V]), float32.
+    the state where they change. Returns (o [B, T, H, V], final_state [B, H, K, V]) in full
+    precision.
     """
     q, k, v, g, beta, state, seg = _prepare(q, k, v, g, beta, scale, initial_state, segment_ids)
     restart = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
@@ -166,10 +177,17 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 # --- chunked form ----------------------------------------------------------------------------
 
 
-def _pairwise_decay(G_i: jax.Array, G_j: jax.Array, keep: jax.Array) -> jax.Array:
-    """exp(G_i - G_j) [..., C, C, K] where keep [..., C, C], else 0; masked before exp."""
-    diff = G_i[..., :, None, :] - G_j[..., None, :, :]
-    return jnp.where(keep[..., None], jnp.exp(jnp.where(keep[..., None], diff, 0.0)), 0.0)
+def segment_decay(g: jax.Array, keep: jax.Array) -> jax.Array:
+    """exp(sum_{j < t <= i} g_t) [..., C, C, K] for g [..., C, K] where keep [..., C, C] (i >= j),
+    else 0; masked before exp.
+
+    Each pair's exponent is summed over the pair's own tokens. As a difference of the chunk's
+    cumulative sums, G_i - G_j, a near pair late in a fast-decaying chunk (G ~ -300) would carry
+    the rounding of those large sums (~300 ulp), which float32 gate gradients inherit."""
+    C = g.shape[-2]
+    after_j = jnp.tril(jnp.ones((C, C), bool), -1)  # [t, j]: t > j
+    exponent = jnp.cumsum(jnp.where(after_j[..., None], g[..., :, None, :], 0.0), axis=-3)
+    return jnp.where(keep[..., None], jnp.exp(jnp.where(keep[..., None], exponent, 0.0)), 0.0)
 
 
 def _chunked(x: jax.Array, C: int) -> jax.Array:
@@ -179,22 +197,24 @@ def _chunked(x: jax.Array, C: int) -> jax.Array:
     return jnp.moveaxis(x, 3, 1)
 
 
-def chunk_system(k, G, beta, same_segment) -> jax.Array:
-    """A_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc) for i > j in one segment, else 0.
+def chunk_system(k, decay, beta) -> jax.Array:
+    """A_ij = beta_i sum_c k_ic k_jc decay_ijc for i > j (decay is 0 across segments), else 0.
 
-    k, G (in-chunk cumulative log decay) [..., C, K]; beta [..., C]; same_segment [..., C, C].
+    k [..., C, K]; decay [..., C, C, K] `segment_decay` of the chunk (0 across segments); beta
+    [..., C].
     """
     C = k.shape[-2]
-    strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1) & same_segment
-    A = jnp.einsum("...ijk,...ik,...jk->...ij", _pairwise_decay(G, G, strictly_lower), k, k)
-    return beta[..., None] * A
+    strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
+    A = jnp.einsum("...ijk,...ik,...jk->...ij", decay, k, k)
+    return beta[..., None] * jnp.where(strictly_lower, A, 0.0)
 
 
 def kda_chunk_system(k, g, beta, *, chunk_size: int = 64) -> jax.Array:
     """The chunk systems A [B, H, N, C, C] of k [B, T, H, K], g [B, T, H, K], beta [B, T, H]
     (T a multiple of chunk_size), laid out as in FLA's `naive_chunk_kda`."""
-    k, g, beta = (_chunked(x.astype(jnp.float32), chunk_size) for x in (k, g, beta))
-    return chunk_system(k, jnp.cumsum(g, axis=-2), beta, jnp.ones((chunk_size, chunk_size), bool))
+    k, g, beta = (_chunked(upcast(x), chunk_size) for x in (k, g, beta))
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    return chunk_system(k, segment_decay(g, lower), beta)
 
 
 def chunk_kda(
@@ -229,20 +249,21 @@ def chunk_kda(
     # The segment of the token before each chunk, whose state S_0 the chunk starts from.
     seg_prev = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)  # [B, H, N]
 
-    G = jnp.cumsum(g, axis=-2)
+    G = jnp.cumsum(g, axis=-2)  # decay since the chunk start
     same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
     carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
-    A = chunk_system(k, G, beta, same)
+    lower = jnp.tril(jnp.ones((C, C), bool)) & same
+    decay = segment_decay(g, lower)  # [B, H, N, C, C, K]
+    A = chunk_system(k, decay, beta)
     T_beta = invert_unit_lower(A, inverse) * beta[..., None, :]  # (I + A)^-1 diag(beta)
     gamma = jnp.where(
         carry[..., None], jnp.exp(G), 0.0
     )  # decay since the chunk start, 0 if restarted
     w = T_beta @ (gamma * k)  # [B, H, N, C, K]
     u = T_beta @ v  # [B, H, N, C, V]
-    lower = jnp.tril(jnp.ones((C, C), bool)) & same
-    A_qk = jnp.einsum("...ijk,...ik,...jk->...ij", _pairwise_decay(G, G, lower), q, k)
+    A_qk = jnp.einsum("...ijk,...ik,...jk->...ij", decay, q, k)
     # Decay from token j to the chunk end, for the tokens of the chunk's last segment.
-    k_tail = _pairwise_decay(G[..., -1:, :], G, same[..., -1:, :])[..., 0, :, :] * k
+    k_tail = decay[..., -1, :, :] * k
     gamma_end = jnp.where(carry[..., -1:], jnp.exp(G[..., -1, :]), 0.0)  # [B, H, N, K]
 
     def step(S, x):  # S [B, H, K, V]; one chunk of every input

@@ -15,12 +15,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from model.data import IGNORE_INDEX
+from model.precision import full_precision, upcast
 
 
 def cross_entropy_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """logits [..., V]; labels [...] (IGNORE_INDEX skipped). Returns the float32 sums over the
-    kept tokens of CE and of logsumexp(logits)^2 (the z-loss before its weight)."""
-    logits = logits.astype(jnp.float32)
+    """logits [..., V]; labels [...] (IGNORE_INDEX skipped). Returns the sums over the kept tokens
+    of CE and of logsumexp(logits)^2 (the z-loss before its weight), in full precision."""
+    logits = upcast(logits)
     keep = labels != IGNORE_INDEX
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.where(keep, labels, 0)[..., None], axis=-1)[..., 0]
@@ -63,6 +64,6 @@ def lm_head_loss_sums(
         ce, z = cross_entropy_sums(h @ w_out, y)
         return (sums[0] + ce, sums[1] + z), None
 
-    zero = jnp.zeros((), jnp.float32)
+    zero = jnp.zeros((), full_precision(jnp.result_type(hidden, w_out)))
     (ce, z), _ = lax.scan(tile, (zero, zero), (hidden, labels))
     return ce, z

@@ -25,6 +25,7 @@ from flax import nnx
 from model.aux_losses import expert_counts, load_balancing_loss, router_z_loss
 from model.config import MoEConfig
 from model.init import linear, trunc_normal
+from model.precision import full_precision
 from model.router import Router, Routing
 
 
@@ -65,36 +66,43 @@ def routed_experts(
 
 
 class RoutedExperts(nnx.Module):
-    """E SwiGLU experts of hidden H on width L; `__call__(z [B, T, L], routing)` -> [B, T, L]."""
+    """E SwiGLU experts of hidden H on width L; `__call__(z [B, T, L], routing)` -> [B, T, L].
+    Computes in `dtype` (the compute dtype), params in `full_precision(dtype)`."""
 
-    def __init__(self, num_experts: int, width: int, hidden: int, *, rngs: nnx.Rngs):
-        init = trunc_normal(0.02)
-        self.w_up_gate = nnx.Param(init(rngs.params(), (num_experts, 2 * hidden, width)))
-        self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, width)))
+    def __init__(
+        self, num_experts: int, width: int, hidden: int, *, dtype=jnp.float32, rngs: nnx.Rngs
+    ):
+        self.dtype = dtype
+        init, p_dtype = trunc_normal(0.02), full_precision(dtype)
+        self.w_up_gate = nnx.Param(init(rngs.params(), (num_experts, 2 * hidden, width), p_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, width), p_dtype))
 
     def __call__(self, z: jax.Array, routing: Routing) -> jax.Array:
         B, T, L = z.shape
         k = routing.indices.shape[-1]
         y = routed_experts(
-            z.reshape(B * T, L),
+            z.reshape(B * T, L).astype(self.dtype),
             routing.indices.reshape(B * T, k),
-            routing.weights.reshape(B * T, k).astype(z.dtype),
-            self.w_up_gate[...],
-            self.w_down[...],
+            routing.weights.reshape(B * T, k).astype(self.dtype),
+            self.w_up_gate[...].astype(self.dtype),
+            self.w_down[...].astype(self.dtype),
         )
         return y.reshape(B, T, L)
 
 
 class SharedExpert(nnx.Module):
-    """One SwiGLU expert applied to every token: x [..., D] -> [..., D]."""
+    """One SwiGLU expert applied to every token: x [..., D] -> [..., D]. Computes in `dtype`
+    (the compute dtype), params in `full_precision(dtype)`."""
 
-    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs):
-        init = trunc_normal(0.02)
-        self.w_up_gate = nnx.Param(init(rngs.params(), (d_model, 2 * hidden)))
-        self.w_down = nnx.Param(init(rngs.params(), (1, hidden, d_model)))
+    def __init__(self, d_model: int, hidden: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.dtype = dtype
+        init, p_dtype = trunc_normal(0.02), full_precision(dtype)
+        self.w_up_gate = nnx.Param(init(rngs.params(), (d_model, 2 * hidden), p_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (1, hidden, d_model), p_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return swiglu(x @ self.w_up_gate[...]) @ self.w_down[0]
+        w_up_gate, w_down = (w[...].astype(self.dtype) for w in (self.w_up_gate, self.w_down))
+        return swiglu(x.astype(self.dtype) @ w_up_gate) @ w_down[0]
 
 
 class MoEAux(NamedTuple):
@@ -132,19 +140,22 @@ class LatentMoE(nnx.Module):
     """m [B, T, d_model] (the feed-forward input, after its norm) -> (y [B, T, d_model], MoEAux).
 
     `document_ids`, `pools`: as `Router` (EMO). `loss_div_factor`: the aux losses' divisor
-    (None: B*T); `lb_axis_name`: as `router_aux`. Children carry OLMo-core's block-level names."""
+    (None: B*T); `lb_axis_name`: as `router_aux`. Children carry OLMo-core's block-level names.
+    `dtype`: the compute dtype (`model.precision`)."""
 
-    def __init__(self, config: MoEConfig, d_model: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         if config.shared_expert_hidden is None:
             raise NotImplementedError("LatentMoE without a shared expert")
         self.config = config
-        self.routed_experts_router = Router(config, d_model, rngs=rngs)
-        self.latent_down_proj = linear(d_model, config.latent_dim, 0.02, rngs)
+        self.routed_experts_router = Router(config, d_model, dtype=dtype, rngs=rngs)
+        self.latent_down_proj = linear(d_model, config.latent_dim, 0.02, rngs, dtype=dtype)
         self.routed_experts = RoutedExperts(
-            config.num_experts, config.latent_dim, config.expert_hidden, rngs=rngs
+            config.num_experts, config.latent_dim, config.expert_hidden, dtype=dtype, rngs=rngs
         )
-        self.latent_up_proj = linear(config.latent_dim, d_model, 0.02, rngs)
-        self.shared_experts = SharedExpert(d_model, config.shared_expert_hidden, rngs=rngs)
+        self.latent_up_proj = linear(config.latent_dim, d_model, 0.02, rngs, dtype=dtype)
+        self.shared_experts = SharedExpert(
+            d_model, config.shared_expert_hidden, dtype=dtype, rngs=rngs
+        )
 
     def __call__(
         self,

@@ -8,21 +8,32 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.precision import full_precision, upcast
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float) -> jax.Array:
-    """x: [..., D]; weight: broadcastable to x, last axis D. Computed in float32, returned in
-    x's dtype: `weight * x / sqrt(mean(x^2) + eps)`."""
-    x32 = x.astype(jnp.float32)
-    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # shape: [..., D] -> [..., 1]
-    return (weight.astype(jnp.float32) * (x32 * jax.lax.rsqrt(variance + eps))).astype(x.dtype)
+    """x: [..., D]; weight: broadcastable to x, last axis D. Computed in full precision (float32,
+    float64 for float64 x), returned in x's dtype: `weight * x / sqrt(mean(x^2) + eps)`."""
+    xf = upcast(x)
+    variance = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)  # shape: [..., D] -> [..., 1]
+    weight = weight.astype(xf.dtype)
+    return (weight * (xf * jax.lax.rsqrt(variance + eps))).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """Thin module over `rms_norm`; `weight_shape` defaults to (size,), initialised to ones."""
+    """Thin module over `rms_norm`; `weight_shape` defaults to (size,), initialised to ones in
+    `full_precision(dtype)` (dtype: the compute dtype)."""
 
-    def __init__(self, size: int, *, eps: float, weight_shape: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        size: int,
+        *,
+        eps: float,
+        weight_shape: tuple[int, ...] | None = None,
+        dtype=jnp.float32,
+    ):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones(weight_shape or (size,), jnp.float32))
+        self.weight = nnx.Param(jnp.ones(weight_shape or (size,), full_precision(dtype)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], eps=self.eps)

@@ -47,7 +47,7 @@ def _local_terms(graphdef, cfg: Config, params, mb, div, aux_div, lb_axis_name: 
     head = model.lm_head
     ce, z = lm_head_loss_sums(
         head.norm(h),
-        head.w_out.kernel[...],
+        head.w_out.kernel[...].astype(model.dtype),  # the LM head's matmul in the compute dtype
         mb["labels"],
         tiles=cfg.train.vocab_tiles,
         seq_major=cfg.flags.vocab_tiling_seq_major,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from model.config import Config, TrainConfig
+from model.precision import full_precision
 
 CLIP_EPS = 1e-6
 """Added to the global norm before dividing, as torch's and OLMo-core's clipping."""
@@ -102,7 +103,8 @@ def _direction(cfg: Config, params) -> optax.GradientTransformation:
 
 def init(params, cfg: Config) -> OptState:
     window = cfg.train.skip_step_window + 1
-    skip = SkipState(jnp.zeros(window), jnp.zeros(window), jnp.zeros((), jnp.int32))
+    history = jnp.zeros(window, full_precision(jnp.result_type(*jax.tree.leaves(params))))
+    skip = SkipState(history, history, jnp.zeros((), jnp.int32))
     return OptState(_direction(cfg, params).init(params), skip)
 
 

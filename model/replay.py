@@ -4,10 +4,12 @@ golden trace and compare every step.
 Free-running: the golden step-0 weights through `model.convert.from_olmo_core`, the golden data
 order, OLMo-core's EMO draws, every OLMo-core flag, then only the JAX optimizer moves the params.
 Each step's CE, z-loss, LB and router z-loss (total and per MoE block), LR, grad norm and skip flag
-are compared with the trace, and the params at the trace's saved steps with its snapshots. A
-metric passes a step when its relative gap is within the issue's bar (`REPLAY_CE`,
-`REPLAY_METRIC`, `REPLAY_PARAMS`) or within `REPLAY_SPREAD_FACTOR` times the spread OLMo-core shows
-against itself when its step-0 weights move by one ulp (the largest gap up to that step).
+are compared with the trace, and each parameter tensor at the trace's saved steps with its
+snapshots. A metric (each MoE layer's LB and router z-loss too) passes a step when its relative gap
+is within the issue's bar (`REPLAY_CE`, `REPLAY_METRIC`, `REPLAY_PARAMS`) or within
+`REPLAY_SPREAD_FACTOR` times the spread OLMo-core shows against itself when its step-0 weights move
+by one ulp (goldens.envelope: that metric's or layer's largest gap up to that step, that tensor's
+distance at that step).
 
 `--teacher-forced` adds a second view, reported separately: each saved step s restarts from
 OLMo-core's params at s and is compared at step s + 1 with the issue's bars alone.
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from goldens.envelope import metric_spread, norm_gap, param_spread, rel_gap
 from goldens.tolerances import REPLAY_CE, REPLAY_METRIC, REPLAY_PARAMS, REPLAY_SPREAD_FACTOR
 from model import optim
 from model import train_step as ts
@@ -151,67 +154,64 @@ def teacher_forced(trace: GoldenTrace, run: Run, *, steps: int) -> list[tuple[in
 # --- comparison -------------------------------------------------------------------------------
 
 
-def rel_gap(ours, golden) -> np.ndarray:
-    """|ours - golden| / |golden| (the absolute gap where golden is 0)."""
-    ours, golden = np.asarray(ours, np.float64), np.asarray(golden, np.float64)
-    scale = np.where(golden == 0, 1.0, np.abs(golden))
-    return np.abs(ours - golden) / scale
-
-
 def spread(trace: GoldenTrace, name: str) -> np.ndarray:
-    """[steps]: the largest relative gap of the perturbed runs to the trace up to each step."""
-    gaps = rel_gap(trace.perturbed[name], trace.metrics[name][None]).max(axis=0)
-    return np.maximum.accumulate(gaps)
+    """[steps, ...]: OLMo-core's own spread of metric `name` (or "<name>_per_block") up to each
+    step: the largest relative gap of its one-ulp-perturbed runs to the trace."""
+    return metric_spread(trace.perturbed[name], trace.metrics[name])
 
 
-def _layer_entry(trace: GoldenTrace, ours: dict, index: int) -> dict:
-    layers = {}
-    for name in PER_LAYER:
-        golden = trace.metrics[f"{name}_per_block"][index]
-        mine = ours[f"{name}_per_layer"]
-        layers[name] = {
-            "ours": mine,
-            "golden": golden.tolist(),
-            "rel_gap": rel_gap(mine, golden).tolist(),
-        }
-    return layers
-
-
-def _worst_layer(trace: GoldenTrace, layers: dict) -> int:
-    """OLMo-core block index of the MoE layer whose LB or router z-loss gap is largest."""
-    gaps = np.max([layers[name]["rel_gap"] for name in PER_LAYER], axis=0)
-    return trace.moe_blocks[int(np.argmax(gaps))]
-
-
-def compare_step(trace: GoldenTrace, step: int, ours: dict, *, free: bool) -> dict:
-    """One step's record: every metric ours/golden/rel_gap/spread (OLMo-core's own, up to this
-    step; 0 unless `free`)/tolerance/ok, the per-layer aux losses, the skip flags."""
-    i = step - 1
-    metrics = {}
-    for name in METRICS:
-        golden = float(trace.metrics[name][i])
-        own = float(spread(trace, name)[i]) if free else 0.0
-        tol = max(BARS[name], REPLAY_SPREAD_FACTOR * own)
-        gap = float(rel_gap(ours[name], golden))
-        metrics[name] = {
-            "ours": ours[name],
-            "golden": golden,
-            "rel_gap": gap,
-            "spread": own,
-            "tolerance": tol,
-            "ok": gap <= tol,
-        }
-    skipped = {"ours": bool(ours["skipped"]), "golden": bool(trace.metrics["skipped"][i])}
+def _checked(ours, golden, own, bar: float) -> dict:
+    """ours/golden/rel_gap/spread/tolerance/ok of a metric (a float, or a list per layer): within
+    `bar` or `REPLAY_SPREAD_FACTOR` times OLMo-core's own spread."""
+    gap = rel_gap(ours, golden)
+    tol = np.maximum(bar, REPLAY_SPREAD_FACTOR * np.asarray(own))
+    ok = gap <= tol
+    plain = lambda a: np.asarray(a).tolist()  # noqa: E731
     return {
-        "step": step,
-        "metrics": metrics,
-        "layers": _layer_entry(trace, ours, i),
-        "skipped": skipped,
+        "ours": ours,
+        "golden": plain(golden),
+        "rel_gap": plain(gap),
+        "spread": plain(own),
+        "tolerance": plain(tol),
+        "ok": plain(ok),
     }
 
 
+def _worst_layer(trace: GoldenTrace, layers: dict) -> int:
+    """OLMo-core block index of the MoE layer whose LB or router z-loss is farthest over (or
+    nearest) its tolerance."""
+    over = np.max([np.divide(layers[n]["rel_gap"], layers[n]["tolerance"]) for n in PER_LAYER], 0)
+    return trace.moe_blocks[int(np.argmax(over))]
+
+
+def compare_step(trace: GoldenTrace, step: int, ours: dict, *, free: bool) -> dict:
+    """One step's record: every metric and each MoE layer's LB and router z-loss
+    ours/golden/rel_gap/spread (OLMo-core's own up to this step; 0 unless `free`)/tolerance/ok,
+    and the skip flags."""
+    i = step - 1
+    own = lambda key: spread(trace, key)[i] if free else np.zeros_like(trace.metrics[key][i])  # noqa: E731
+    metrics = {
+        name: _checked(ours[name], float(trace.metrics[name][i]), float(own(name)), BARS[name])
+        for name in METRICS
+    }
+    layers = {
+        name: _checked(
+            ours[f"{name}_per_layer"],
+            trace.metrics[f"{name}_per_block"][i],
+            own(f"{name}_per_block"),
+            BARS[name],
+        )
+        for name in PER_LAYER
+    }
+    skipped = {"ours": bool(ours["skipped"]), "golden": bool(trace.metrics["skipped"][i])}
+    return {"step": step, "metrics": metrics, "layers": layers, "skipped": skipped}
+
+
 def _divergence(trace: GoldenTrace, entry: dict) -> dict | None:
+    """The first metric over its tolerance at this step (totals first, then each MoE layer's
+    "<name>_per_layer"), the skip flag, and the MoE block farthest over."""
     bad = [name for name in METRICS if not entry["metrics"][name]["ok"]]
+    bad += [f"{n}_per_layer" for n in PER_LAYER if not all(entry["layers"][n]["ok"])]
     if entry["skipped"]["ours"] != entry["skipped"]["golden"]:
         bad.append("skipped")
     if not bad:
@@ -220,25 +220,32 @@ def _divergence(trace: GoldenTrace, entry: dict) -> dict | None:
 
 
 def compare_params(trace: GoldenTrace, step: int, ours: dict[str, np.ndarray]) -> dict:
-    """The whole model's |ours - golden| / |golden| at a saved step (all params as one vector),
-    against max(REPLAY_PARAMS, REPLAY_SPREAD_FACTOR x the farthest perturbed run's). Which tensor
-    drifts most depends on which routing flips happened, so single tensors are reported (the one
-    farthest, relative to its own spread) but the verdict is the whole model's."""
+    """Each parameter tensor's |ours - golden| / |golden| at a saved step against
+    max(REPLAY_PARAMS, REPLAY_SPREAD_FACTOR x its own spread: the farthest perturbed run's
+    distance for that tensor); the whole model's gap for reference."""
     golden = trace.params(step)
-    norms = np.array([np.linalg.norm(golden[name]) for name in trace.param_names])
-    gaps = np.array([np.linalg.norm(ours[n] - golden[n]) for n in trace.param_names]) / norms
-    runs = trace.perturbed[f"params_rel_diff_step{step}"]  # [runs, params]
-    whole = lambda rel: float(np.linalg.norm(rel * norms) / np.linalg.norm(norms))  # noqa: E731
-    gap, tol = whole(gaps), max(REPLAY_PARAMS, REPLAY_SPREAD_FACTOR * max(map(whole, runs)))
-    worst = int(np.argmax(gaps / np.maximum(runs.max(0), REPLAY_PARAMS)))
+    names = trace.param_names
+    gaps = np.array([norm_gap(ours[n], golden[n]) for n in names])
+    own = param_spread(trace.perturbed[f"params_rel_diff_step{step}"])
+    tol = np.maximum(REPLAY_PARAMS, REPLAY_SPREAD_FACTOR * own)
+    worst = int(np.argmax(gaps / tol))
+    whole = norm_gap(
+        np.concatenate([np.ravel(ours[n]) for n in names]),
+        np.concatenate([np.ravel(golden[n]) for n in names]),
+    )
     return {
         "step": step,
-        "rel_gap": gap,
-        "tolerance": tol,
-        "ok": gap <= tol,
-        "worst": trace.param_names[worst],
+        "rel_gap": whole,
+        "ok": bool(np.all(gaps <= tol)),
+        "over": [names[i] for i in np.flatnonzero(gaps > tol)],
+        "worst": names[worst],
         "worst_rel_gap": float(gaps[worst]),
-        "worst_spread": float(runs.max(0)[worst]),
+        "worst_spread": float(own[worst]),
+        "worst_tolerance": float(tol[worst]),
+        "tensors": {
+            n: {"rel_gap": float(g), "spread": float(o), "tolerance": float(t)}
+            for n, g, o, t in zip(names, gaps, own, tol, strict=True)
+        },
     }
 
 

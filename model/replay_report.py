@@ -44,13 +44,16 @@ def window_table(steps: list[dict], *, title: str) -> Table:
 
 
 def params_line(check: dict) -> str:
-    """One saved step's params check."""
-    mark = "[green]ok[/]" if check["ok"] else "[red]over[/]"
+    """One saved step's params check: each tensor against its own tolerance."""
+    if check["ok"]:
+        head = f"params at step {check['step']}: every tensor within its tolerance [green]ok[/]"
+    else:
+        over = ", ".join(check["over"][:5]) + (" ..." if len(check["over"]) > 5 else "")
+        head = f"params at step {check['step']}: {len(check['over'])} tensors over [red]{over}[/]"
     return (
-        f"params at step {check['step']}: whole model {check['rel_gap']:.2e} from OLMo-core's "
-        f"(tolerance {check['tolerance']:.1e}) {mark}; farthest tensor for its spread: "
-        f"{check['worst']} {check['worst_rel_gap']:.2e} "
-        f"(OLMo-core's own {check['worst_spread']:.1e})"
+        f"{head}; nearest its tolerance: {check['worst']} {check['worst_rel_gap']:.2e} "
+        f"(tolerance {check['worst_tolerance']:.1e}, OLMo-core's own {check['worst_spread']:.1e}); "
+        f"whole model {check['rel_gap']:.2e}"
     )
 
 
@@ -60,17 +63,28 @@ def verdict(record: dict, *, what: str) -> str:
     if first is None:
         return f"[green]{what}: every step within tolerance[/]"
     step = next(s for s in record["steps"] if s["step"] == first["step"])
+    metric = first["metric"]
     where = f"; MoE block with the largest aux-loss gap: {first['layer']}"
-    if first["metric"] == "params":
+    if metric == "params":
         check = next(p for p in record["params"] if p["step"] == first["step"])
-        detail = f"params: {check['rel_gap']:.2e} > {check['tolerance']:.1e}"
-        where = f"; farthest tensor {check['worst']}"
-    elif first["metric"] == "skipped":
+        detail = f"params: {check['worst']} {check['worst_rel_gap']:.2e} > "
+        detail += f"{check['worst_tolerance']:.1e} ({len(check['over'])} tensors over)"
+        where = ""
+    elif metric == "skipped":
         detail = f"skipped: ours {step['skipped']['ours']}, OLMo-core {step['skipped']['golden']}"
-    else:
-        m = step["metrics"][first["metric"]]
+    elif metric.endswith("_per_layer"):
+        name = metric.removesuffix("_per_layer")
+        m = step["layers"][name]
+        i = max(range(len(m["ok"])), key=lambda j: m["rel_gap"][j] / m["tolerance"][j])
         detail = (
-            f"{LABELS[first['metric']]}: ours {m['ours']:.6g}, OLMo-core {m['golden']:.6g}, "
+            f"{LABELS[name]} of MoE block {first['layer']}: ours {m['ours'][i]:.6g}, OLMo-core "
+            f"{m['golden'][i]:.6g}, gap {m['rel_gap'][i]:.2e} > {m['tolerance'][i]:.1e}"
+        )
+        where = ""
+    else:
+        m = step["metrics"][metric]
+        detail = (
+            f"{LABELS[metric]}: ours {m['ours']:.6g}, OLMo-core {m['golden']:.6g}, "
             f"gap {m['rel_gap']:.2e} > {m['tolerance']:.1e}"
         )
     return f"[red]{what}: first divergence at step {first['step']}, {detail}{where}[/]"

@@ -1,7 +1,7 @@
 """The MoE router with EMO document expert pools, as OLMo-core's `MoERouterV2` and `EmoRouterV2`
 (olmo_core/nn/moe/v2/router.py, emo_router.py; olmo_core/ops/moe.py; 3.0.0), softmax gating.
 
-    probs = softmax(W x)                          (float32, over all E experts)
+    probs = softmax(W x)                          (full precision, over all E experts)
     EMO: document score = sum of probs over every token of the document (future tokens too);
          each document keeps its top-`pool` experts, the others are masked before top-k
     indices = top_k(probs, masked); weights = probs[indices]    (the unmasked probabilities)
@@ -28,19 +28,20 @@ from flax import nnx
 
 from model.config import EmoConfig, MoEConfig
 from model.init import trunc_normal
+from model.precision import full_precision
 
 
 class Routing(NamedTuple):
     """What the router gives the experts and the aux losses."""
 
     weights: jax.Array
-    """[B, T, k] float32 combine weights of the chosen experts."""
+    """[B, T, k] full-precision combine weights of the chosen experts."""
     indices: jax.Array
     """[B, T, k] int32 chosen experts, by decreasing probability."""
     probs: jax.Array
-    """[B, T, E] float32 softmax over all experts (the load-balancing loss's scores)."""
+    """[B, T, E] full-precision softmax over all experts (the load-balancing loss's scores)."""
     logits: jax.Array
-    """[B, T, E] float32 (the router z-loss's input)."""
+    """[B, T, E] full precision (the router z-loss's input)."""
 
 
 def document_ids_from_eos(input_ids: jax.Array, *, eos_token_id: int) -> jax.Array:
@@ -83,7 +84,7 @@ def pool_keep_mask(scores: jax.Array, pools: jax.Array) -> jax.Array:
 def route(
     logits: jax.Array, *, top_k: int, normalize: bool, restore_weight_scale: bool, keep=None
 ) -> Routing:
-    """Softmax top-k routing of float32 logits [B, T, E]; `keep` [B, T, E] bool masks experts
+    """Softmax top-k routing of full-precision logits [B, T, E]; `keep` [B, T, E] bool masks experts
     before top-k (EMO), the weights stay the unmasked probabilities."""
     probs = jax.nn.softmax(logits, axis=-1)
     selection = probs if keep is None else jnp.where(keep, probs, -jnp.inf)
@@ -98,14 +99,17 @@ def route(
 
 class Router(nnx.Module):
     """x [B, T, d_model] -> `Routing`. With `config.emo`, `document_ids` [B, T] are required and
-    `pools` are the per-document pool sizes [B, T] (training) or None (evaluation: eval pool)."""
+    `pools` are the per-document pool sizes [B, T] (training) or None (evaluation: eval pool).
+    `dtype`: the compute dtype; the router computes in full precision whatever it is."""
 
-    def __init__(self, config: MoEConfig, d_model: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config, self.d_model = config, d_model
-        self.weight = nnx.Param(trunc_normal(0.02)(rngs.params(), (config.num_experts * d_model,)))
+        shape = (config.num_experts * d_model,)
+        self.weight = nnx.Param(trunc_normal(0.02)(rngs.params(), shape, full_precision(dtype)))
         self.logits_dtype = "float32"
-        """The router matmul's dtype: OLMo-core's float32; "bfloat16" (MaxText's activation dtype)
-        is kept to measure what it changes (`set_logits_dtype`)."""
+        """The router matmul's dtype: OLMo-core's float32 (full precision: float64 in a float64
+        model); "bfloat16" (MaxText's activation dtype) is kept to measure what it changes
+        (`set_logits_dtype`)."""
 
     def __call__(
         self,
@@ -115,9 +119,11 @@ class Router(nnx.Module):
         pools: jax.Array | None = None,
     ) -> Routing:
         c = self.config
-        dtype = jnp.dtype(self.logits_dtype)
-        w = self.weight[...].reshape(c.num_experts, self.d_model).astype(dtype)
-        logits = (x.astype(dtype) @ w.T).astype(jnp.float32)  # shape: [B, T, D] -> [B, T, E]
+        w = self.weight[...].reshape(c.num_experts, self.d_model)
+        precise = full_precision(w.dtype)
+        dtype = precise if self.logits_dtype == "float32" else jnp.dtype(self.logits_dtype)
+        # shape: [B, T, D] -> [B, T, E]
+        logits = (x.astype(dtype) @ w.astype(dtype).T).astype(precise)
         keep = None
         if c.emo is not None:
             if document_ids is None:

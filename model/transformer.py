@@ -26,12 +26,13 @@ from model.config import ModelConfig
 from model.init import linear, trunc_normal
 from model.moe import MoEAux
 from model.norms import RMSNorm
+from model.precision import compute_dtype, full_precision
 from model.router import document_ids_from_eos, draw_pools
 
 
 class ModelOutput(NamedTuple):
     logits: jax.Array
-    """[B, T, V] float32."""
+    """[B, T, V] in the compute dtype (`ModelConfig.compute_dtype`)."""
     aux: MoEAux
     """lb_loss, z_loss [n_moe_layers]; counts [n_moe_layers, E]."""
 
@@ -41,8 +42,9 @@ class LMHead(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, V = config.d_model, config.vocab_size
-        self.norm = RMSNorm(d, eps=config.norm_eps)
-        self.w_out = linear(d, V, config.init_std, rngs)
+        dtype = compute_dtype(config.compute_dtype)
+        self.norm = RMSNorm(d, eps=config.norm_eps, dtype=dtype)
+        self.w_out = linear(d, V, config.init_std, rngs, dtype=dtype)
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return self.w_out(self.norm(h))
@@ -52,17 +54,22 @@ class Transformer(nnx.Module):
     """`m(input_ids [B, T], train=..., ...)` -> `ModelOutput`. `ignore_segment_ids` is
     `Flags.olmoe3_mixers_ignore_segment_ids`, `kda_inverse` `Flags.kda_inverse`. Init as
     OLMo-core's "normal" method: weights N(0, init_std) truncated at 3 std, norm gains one, KDA's
-    A_log and dt_bias as OLMo-core's KDA (`tests/test_convert.py` compares the distributions)."""
+    A_log and dt_bias as OLMo-core's KDA (`tests/test_convert.py` compares the distributions).
+    Activations are in `config.compute_dtype`, params in its full precision (`model.precision`);
+    "float64" needs `jax_enable_x64` and raises a ValueError saying how without it."""
 
     def __init__(
         self, config: ModelConfig, *, ignore_segment_ids: bool, kda_inverse: str, rngs: nnx.Rngs
     ):
         self.config = config
         d = config.d_model
+        self.dtype = compute_dtype(config.compute_dtype)
         self.embeddings = nnx.Param(
-            trunc_normal(config.init_std)(rngs.params(), (config.vocab_size, d))
+            trunc_normal(config.init_std)(
+                rngs.params(), (config.vocab_size, d), full_precision(self.dtype)
+            )
         )
-        self.embedding_norm = RMSNorm(d, eps=config.norm_eps)
+        self.embedding_norm = RMSNorm(d, eps=config.norm_eps, dtype=self.dtype)
         self.blocks = nnx.List(
             [
                 Block(
@@ -100,7 +107,8 @@ class Transformer(nnx.Module):
         )
         if document_ids is None:
             document_ids = document_ids_from_eos(input_ids, eos_token_id=c.eos_token_id)
-        h = self.embedding_norm(self.embeddings[...][input_ids] * c.embed_scale)
+        embedded = self.embeddings[...][input_ids].astype(self.dtype)
+        h = self.embedding_norm(embedded * c.embed_scale)
         auxes = []
         for block in self.blocks:
             layer_pools = None if pools is None else pools[len(auxes)]

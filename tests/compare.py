@@ -1,10 +1,17 @@
-"""The one comparison helper: whole pytrees, NaN/Inf rejected on either side, every failing leaf
-reported with its path, dtypes, max absolute error and relative RMS error."""
+"""The comparison helpers: whole pytrees elementwise (NaN/Inf rejected on either side, every failing
+leaf reported with its path, dtypes, max absolute error and relative RMS error), and named tensors
+against an fp64 oracle (formula parity and rounding parity, relative by norms)."""
 
 import jax
 import numpy as np
 
-from goldens.tolerances import Tol
+from goldens.envelope import norm_gap
+from goldens.tolerances import (
+    FLOAT32_UNIT_ROUNDOFF,
+    FORMULA_PARITY,
+    ROUNDING_PARITY,
+    Tol,
+)
 
 
 def _leaves(tree) -> dict[str, np.ndarray]:
@@ -42,3 +49,41 @@ def assert_close(name: str, *, expected, actual, tol: Tol) -> None:
         )
     if problems:
         raise AssertionError("\n".join(problems))
+
+
+def parity_gaps(oracle, actual: dict) -> dict[str, float]:
+    """|actual - oracle| / |oracle| (norms) of each of `actual`'s tensors against the fp64
+    oracle's tensor of that name."""
+    return {name: norm_gap(value, oracle[name]) for name, value in actual.items()}
+
+
+def assert_formula_parity(case: str, oracle, actual: dict, bound: float = FORMULA_PARITY) -> None:
+    """JAX float64 vs OLMo-core float64: every tensor within `bound` of the oracle's (relative, by
+    norms). Fails naming every tensor that is not."""
+    bad = {n: g for n, g in parity_gaps(oracle, actual).items() if not g <= bound}
+    if bad:
+        lines = [f"  {n}: relative error {g:.3e}" for n, g in sorted(bad.items())]
+        raise AssertionError(
+            f"{case}: formula parity (float64 vs OLMo-core float64, allowed {bound:g}) fails "
+            f"for {len(bad)} of {len(actual)} tensors:\n" + "\n".join(lines)
+        )
+
+
+def assert_rounding_parity(case: str, oracle, actual: dict) -> None:
+    """JAX float32 vs the fp64 oracle: each tensor within ROUNDING_PARITY times OLMo-core float32's
+    own distance to the oracle (at least float32's unit roundoff). Fails naming each tensor."""
+    bad = {}
+    for name, gap in parity_gaps(oracle, actual).items():
+        own = max(oracle[f"fp32_error.{name}"].item(), FLOAT32_UNIT_ROUNDOFF)
+        if not gap <= ROUNDING_PARITY * own:
+            bad[name] = (gap, own)
+    if bad:
+        lines = [
+            f"  {n}: relative error {g:.3e}, OLMo-core float32's {o:.3e} ({g / o:.1f}x)"
+            for n, (g, o) in sorted(bad.items())
+        ]
+        raise AssertionError(
+            f"{case}: rounding parity (float32 vs the fp64 oracle, allowed {ROUNDING_PARITY:g}x "
+            f"OLMo-core float32's own error) fails for {len(bad)} of {len(actual)} tensors:\n"
+            + "\n".join(lines)
+        )

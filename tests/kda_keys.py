@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.kda_chunk import chunk_system, l2_normalize
+from model.kda_chunk import chunk_system, l2_normalize, segment_decay
 
 WEAK_TO_STRONG = (np.log(1e-4), np.log(20.0))
 """Per-token log-decay magnitudes from trained-like weak gates to past exp underflow."""
@@ -16,7 +16,7 @@ WEAK = (np.log(1e-4), np.log(1e-2))
 def _system(u, xi, sigma, beta, decay):
     k = l2_normalize(u[:, None, :] + sigma * xi)  # [N, C, K]
     C = k.shape[-2]
-    return chunk_system(k, jnp.cumsum(-decay, axis=-2), beta, jnp.ones((C, C), bool))
+    return chunk_system(k, segment_decay(-decay, jnp.tril(jnp.ones((C, C), bool))), beta)
 
 
 def correlated_system(seed, sigma, beta_range, log_decay_range, *, N=4, C=64, K=128):

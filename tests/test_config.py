@@ -92,6 +92,9 @@ BAD = [
         lambda: _micro_model(dense_layers=tuple(range(8))), "ModelConfig.dense_layers", id="no-moe"
     ),
     pytest.param(
+        lambda: _micro_model(compute_dtype="float16"), "ModelConfig.compute_dtype", id="dtype"
+    ),
+    pytest.param(
         lambda: c.KDAConfig(n_heads=2, head_dim=32, expand_v=1.5 + 1 / 64),
         "KDAConfig.expand_v",
         id="expand_v",

@@ -3,10 +3,18 @@ FLA's kernels: OLMo-core's RMSNorm, torch's Conv1d (which OLMo-core's CausalConv
 FLA's naive_chunk_kda; documents of cu_seqlens isolated. The v2 MoE's: grouped GEMM against
 per-row weights, TE permute / unpermute against a loop over tokens. Backward by fp64 gradcheck."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from goldens import cpu_standins as s
+from goldens.tolerances import (
+    BITWISE,
+    STANDIN_CHUNK_KDA,
+    STANDIN_FP32,
+    STANDIN_FP64,
+    STANDIN_MOE_BLOCK,
+)
 
 GEN = 7
 
@@ -24,7 +32,9 @@ def test_rms_norm_gated_matches_olmo_core_rms_norm():
         norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
         reference = LayerNormConfig(name=LayerNormType.rms, eps=1e-5, bias=False).build(8)
         reference.weight.copy_(norm.weight)
-        torch.testing.assert_close(norm(x, g), reference(x) * torch.sigmoid(g), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            norm(x, g), reference(x) * torch.sigmoid(g), **STANDIN_FP32.as_dict()
+        )
 
 
 def test_rms_norm_gated_gradcheck():
@@ -40,11 +50,11 @@ def test_causal_conv1d_matches_torch_conv1d_per_document():
         conv.weight.copy_(w[:, None, :])
         whole = F.silu(conv(x.transpose(1, 2))[..., :20].transpose(1, 2))
         y, _ = s.causal_conv1d(x, w, activation="silu")
-        torch.testing.assert_close(y, whole, rtol=0, atol=1e-6)
+        torch.testing.assert_close(y, whole, **STANDIN_FP32.as_dict())
         docs, _ = s.causal_conv1d(x, w, activation="silu", cu_seqlens=torch.tensor([0, 7, 20]))
         alone, _ = s.causal_conv1d(x[:, 7:], w, activation="silu")
-        torch.testing.assert_close(docs[:, :7], whole[:, :7], rtol=0, atol=1e-6)
-        torch.testing.assert_close(docs[:, 7:], alone, rtol=0, atol=1e-6)
+        torch.testing.assert_close(docs[:, :7], whole[:, :7], **STANDIN_FP32.as_dict())
+        torch.testing.assert_close(docs[:, 7:], alone, **STANDIN_FP32.as_dict())
 
 
 def test_causal_conv1d_gradcheck():
@@ -88,8 +98,8 @@ def test_chunk_kda_matches_fla_naive_chunk():
         beta,
         output_final_state=True,
     )
-    torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-5)
-    torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-5)
+    torch.testing.assert_close(o, ref_o, **STANDIN_CHUNK_KDA.as_dict())
+    torch.testing.assert_close(state, ref_state, **STANDIN_CHUNK_KDA.as_dict())
 
 
 def test_chunk_kda_documents_are_isolated():
@@ -111,7 +121,7 @@ def test_chunk_kda_documents_are_isolated():
 
     packed = run(q, k, v, raw, beta, torch.tensor([0, 3, 10]))
     alone = run(*(x[:, 3:] for x in (q, k, v, raw, beta)), None)
-    torch.testing.assert_close(packed[:, 3:], alone, rtol=0, atol=1e-6)
+    torch.testing.assert_close(packed[:, 3:], alone, **STANDIN_FP32.as_dict())
 
 
 def test_in_kernel_l2norm_and_gate_gradcheck():
@@ -135,7 +145,9 @@ def test_grouped_gemm_matches_per_row_weights():
     for trans_b, b in ((False, _randn(3, 4, 5)), (True, _randn(3, 5, 4))):
         w = b.transpose(1, 2) if trans_b else b
         expected = torch.einsum("nk,nkm->nm", a, w[group])
-        torch.testing.assert_close(s.grouped_gemm(a, b, batch_sizes, trans_b), expected)
+        torch.testing.assert_close(
+            s.grouped_gemm(a, b, batch_sizes, trans_b), expected, **STANDIN_FP64.as_dict()
+        )
 
 
 def test_grouped_gemm_gradcheck():
@@ -160,7 +172,7 @@ def test_permute_groups_rows_by_expert_in_token_order():
     for e in range(4):
         tokens = row_id_map[experts == e] // 2
         assert torch.all(tokens[1:] > tokens[:-1])
-    torch.testing.assert_close(rows, x[row_id_map // 2], rtol=0, atol=0)
+    torch.testing.assert_close(rows, x[row_id_map // 2], **BITWISE.as_dict())
 
 
 def test_permute_unpermute_match_a_token_loop():
@@ -179,7 +191,7 @@ def test_permute_unpermute_match_a_token_loop():
     expected = torch.stack(
         [sum(probs[t, j] * (routing_map[t, j] + 1) * x[t] for j in range(2)) for t in range(6)]
     )
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, expected, **STANDIN_FP64.as_dict())
 
 
 def test_permute_unpermute_gradcheck():
@@ -229,4 +241,23 @@ def test_block_moe_path_matches_a_token_loop():
         expected = (
             block.latent_up_proj(routed) + (up * F.silu(gate)) @ block.shared_experts.w_down[0]
         )
-    torch.testing.assert_close(cut.out[0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cut.out[0], expected, **STANDIN_MOE_BLOCK.as_dict())
+
+
+def _unknown_argument_calls():
+    x = torch.zeros(1, 4, 8)
+    norm = s.FusedRMSNormGated(8)
+    return {
+        "chunk_kda": lambda: s.chunk_kda(x, x, x, x, x[..., 0], fused_recompute=True),
+        "causal_conv1d": lambda: s.causal_conv1d(x, torch.zeros(8, 4), seq_idx=None),
+        "FusedRMSNormGated.forward": lambda: norm(x, x, weight_fp8=True),
+        "moe_permute": lambda: s.moe_permute(x[0], torch.zeros(4, 1), pad_offsets=None),
+        "moe_unpermute": lambda: s.moe_unpermute(x[0], torch.arange(4), probs_fp32=True),
+    }
+
+
+@pytest.mark.parametrize("stand_in", list(_unknown_argument_calls()))
+def test_stand_ins_refuse_arguments_they_do_not_implement(stand_in):
+    """A kernel option OLMo-core might pass is never dropped silently."""
+    with pytest.raises(s.StandInError, match=rf"CPU stand-in {stand_in} got \['\w+'\]"):
+        _unknown_argument_calls()[stand_in]()

@@ -4,11 +4,10 @@ weight gradients of sum(y * cotangent), over d_model and per head with (H, D) ga
 import jax
 import pytest
 
+from goldens.norms import EPS
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD
 from model.norms import rms_norm
 from tests.compare import assert_close
-
-EPS = 1e-6
 
 
 @jax.jit

@@ -9,13 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from goldens.tolerances import Tol
+from goldens.tolerances import ADAMW_STEP, BITWISE, LR_SCHEDULE
 from model import config as c
 from model import optim
 from tests.compare import assert_close
 
-LR_TOL = Tol(rtol=0.0, atol=1e-7)
-PARAM_TOL = Tol(rtol=1e-6, atol=1e-7)
 SCHEDULES = ["constant_with_warmup", "cosine", "linear", "wsd"]
 
 
@@ -33,10 +31,13 @@ def test_lr_matches_olmo_core_every_step(golden, schedule):
     expected = golden("optim.safetensors")[f"lr.{schedule}"]
     steps = jnp.arange(len(expected) - 1)
     assert_close(
-        "lr", expected=expected[1:], actual=optim.lr_at(steps, _config(schedule)), tol=LR_TOL
+        "lr", expected=expected[1:], actual=optim.lr_at(steps, _config(schedule)), tol=LR_SCHEDULE
     )
     assert_close(
-        "lr", expected=expected[:-1], actual=optim.lr_at(steps, _config(schedule, 0)), tol=LR_TOL
+        "lr",
+        expected=expected[:-1],
+        actual=optim.lr_at(steps, _config(schedule, 0)),
+        tol=LR_SCHEDULE,
     )
 
 
@@ -67,15 +68,15 @@ def test_adamw_steps_match_olmo_core(golden):
     for i in range(3):
         params, state, metrics = step(params, _grads(g, i + 1), state, i)
         assert_close(
-            f"params after step {i + 1}", expected=_params(g, i + 1), actual=params, tol=PARAM_TOL
+            f"params after step {i + 1}", expected=_params(g, i + 1), actual=params, tol=ADAMW_STEP
         )
         assert_close(
             "grad_norm",
             expected=g["adamw.grad_norm"][i],
             actual=metrics["grad_norm"],
-            tol=PARAM_TOL,
+            tol=ADAMW_STEP,
         )
-        assert_close("lr", expected=g["adamw.lr"][i], actual=metrics["lr"], tol=LR_TOL)
+        assert_close("lr", expected=g["adamw.lr"][i], actual=metrics["lr"], tol=LR_SCHEDULE)
         assert not metrics["skipped"]
 
 
@@ -113,5 +114,5 @@ def test_skipped_step_changes_nothing_but_the_history(golden):
         )
     after, new_state, metrics = optim.step(params, _grads(g, 2), state, step=70, loss=4.0, cfg=cfg)
     assert metrics["skipped"]
-    assert_close("params", expected=params, actual=after, tol=Tol(0.0, 0.0))
-    assert_close("adam", expected=state.adam, actual=new_state.adam, tol=Tol(0.0, 0.0))
+    assert_close("params", expected=params, actual=after, tol=BITWISE)
+    assert_close("adam", expected=state.adam, actual=new_state.adam, tol=BITWISE)

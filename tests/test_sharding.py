@@ -4,15 +4,12 @@ steps of the small LM with rows split over data x fsdp, params and gradients ful
 import jax
 import pytest
 
-from goldens.tolerances import Tol
+from goldens.tolerances import SAME_AS_ONE_DEVICE
 from model import config as c
 from model import sharding
 from model import train_step as ts
 from tests import small_lm
 from tests.compare import assert_close
-
-SAME_AS_ONE_DEVICE = Tol(rtol=1e-6, atol=1e-7)
-"""Partial sums across devices round differently (the GA tolerance)."""
 
 
 def _train(params, batch, cfg, mesh=None):

@@ -1,0 +1,40 @@
+"""Compute dtypes (`ModelConfig.compute_dtype`) and the precision of the maths OLMo-core runs in
+float32 (norm statistics, softmaxes, the router, KDA's recurrence, the losses).
+
+    "float32"   params and every computation float32 (OLMo-core's CPU goldens)
+    "float64"   params and every computation float64, to compare with an OLMo-core model cast by
+                `.to(torch.float64)`; needs `jax_enable_x64`
+    "bfloat16"  params float32, activations bfloat16 (MaxText's training precision)
+
+Modules take the compute dtype as `dtype` and create their params in `full_precision(dtype)`. The
+float32 maths upcasts with `upcast`: float32 for float32 and bfloat16 inputs, float64 stays float64,
+and nothing is promoted past float32 when x64 is merely enabled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def full_precision(dtype) -> np.dtype:
+    """`dtype` promoted to at least float32: bfloat16 and float32 -> float32, float64 stays
+    (becomes float32 without x64, as JAX makes every float64 array)."""
+    return jax.dtypes.canonicalize_dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+def upcast(x: jax.Array) -> jax.Array:
+    """x in `full_precision(x.dtype)`."""
+    return x.astype(full_precision(x.dtype))
+
+
+def compute_dtype(name: str) -> np.dtype:
+    """The dtype of `ModelConfig.compute_dtype` `name`; float64 needs 64-bit JAX enabled."""
+    if name == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            'compute_dtype "float64" needs 64-bit JAX: call '
+            'jax.config.update("jax_enable_x64", True) before building the model, or build and '
+            "run it inside `with jax.enable_x64(True):`"
+        )
+    return jnp.dtype(name)
