@@ -9,6 +9,7 @@ naming every file and tensor that does not hold, and any manifest field that cha
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -82,14 +83,17 @@ def _within(gaps, spread, factor: float, what: str) -> Verdict:
 
 
 class Envelope:
-    """The committed goldens' one-ulp spreads, for the chaotic tensors."""
+    """The committed goldens' one-ulp spreads, for the chaotic tensors (each file loaded and
+    verified once, not once per tensor)."""
 
     def __init__(self, root: Path):
         self.root = root
 
+    @functools.cached_property
     def metrics(self) -> Golden:
         return load_golden(TRACE_METRICS, self.root)
 
+    @functools.cached_property
     def perturbed(self) -> Golden:
         return load_golden(TRACE_PERTURBED, self.root)
 
@@ -111,13 +115,13 @@ class Envelope:
             return _within(norm_gap(fresh, committed), spread.item(), factor, name)
         if path.startswith("trace/params_step") and path != "trace/params_step0.safetensors":
             step = path.removeprefix("trace/params_step").removesuffix(".safetensors")
-            perturbed = self.perturbed()
+            perturbed = self.perturbed
             names = perturbed.entry["config"]["params"]
             spread = param_spread(perturbed[f"params_rel_diff_step{step}"])[names.index(name)]
             return _within(norm_gap(fresh, committed), spread, factor, name)
         if path not in (TRACE_METRICS, TRACE_PERTURBED):
             return None
-        perturbed, golden = self.perturbed(), self.metrics()
+        perturbed, golden = self.perturbed, self.metrics
         if name.startswith("params_rel_diff_step"):  # a spread itself: how far its runs went
             return _within(fresh, param_spread(perturbed[name])[None], factor, name)
         if name not in golden.tensors or name not in perturbed.tensors:
