@@ -7,8 +7,9 @@ import numpy as np
 
 from bench.timing import best_seconds
 from goldens.store import load_golden
-from model.kda_chunk import INVERSES, invert_unit_lower, kda_chunk_system
-from tests.kda_keys import WEAK, correlated_system, fp64_inverse
+from model.config import KDA_INVERSES
+from model.kda_chunk import invert_unit_lower, kda_chunk_system
+from parity.kda_systems import WEAK, correlated_system, fp64_inverse
 
 CHUNK_HEADS = 256
 
@@ -23,17 +24,17 @@ def run() -> dict[str, float]:
     trained = load_golden("kda_trained_keys.safetensors")
     A_trained = np.asarray(kda_chunk_system(trained["k"], trained["g"], trained["beta"]))
     times, errors, trained_errors = {}, {}, {}
-    for method in INVERSES:
+    for method in KDA_INVERSES:
         invert = jax.jit(lambda a, m=method: invert_unit_lower(a, m))
         times[method] = best_seconds(lambda f=invert: jax.block_until_ready(f(A)))
         errors[method] = _max_error(invert(A), fp64_inverse(A))
         trained_errors[method] = _max_error(invert(A_trained), fp64_inverse(A_trained))
     base = "forward_substitution"
     figures = {f"{base} time (ms)": 1e3 * times[base]}
-    for method in INVERSES:
+    for method in KDA_INVERSES:
         if method != base:
             figures[f"{method} / {base} time"] = times[method] / times[base]
-    for method in INVERSES:
+    for method in KDA_INVERSES:
         figures[f"{method} max error, correlated keys"] = errors[method]
         figures[f"{method} max error, trained keys"] = trained_errors[method]
     return figures

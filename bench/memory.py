@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from model import config as c
 from model import train_step as ts
-from tests import small_lm
+from parity import small_lm
 
 VOCAB, D_MODEL, ROWS, SEQ, GA, TILES = 32768, 256, 32, 512, 2, 8
 

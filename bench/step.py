@@ -7,7 +7,7 @@ fraction of peak.
 
 OLMo-core's train module reads the step, the LR schedule and its metric sink from a `Trainer`, so
 a minimal one (no callbacks of ours, no checkpoints) is attached; its loader yields the batch. On a
-CPU OLMo-core runs the stand-ins of `goldens.cpu_standins`: KDA is FLA's token-by-token
+CPU OLMo-core runs the stand-ins of `goldens.runtime.standins`: KDA is FLA's token-by-token
 `naive_recurrent_kda`, not its chunked triton kernel. Timings need an idle machine: with another
 process on a core, torch's thousands of small ops a step slow down by up to 70x.
 

@@ -12,14 +12,14 @@ torch backend itself refuses intra-document masking on CPU.
 
 from __future__ import annotations
 
-from goldens.olmo_core_model import ATTENTION_BACKEND, attention_config
+from goldens.runtime.models import ATTENTION_BACKEND, attention_config
+from goldens.runtime.torch_layers import layer_vjp, to_numpy
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_COMPONENT
-from goldens.torch_layers import layer_vjp, to_numpy
 from model.config import micro
 
 SEED = 5005
-D_MODEL = 64
+D_MODEL = micro().model.d_model
 X_SHAPE = (2, 256, D_MODEL)
 DOC_BOUNDS = (0, 37, 130, 256)
 """`cu_doc_lens` of the `doc.*` case: documents of 37, 93 and 126 tokens."""
@@ -29,7 +29,7 @@ def _layer(generator):
     import torch
 
     config = attention_config(micro().model.attention)
-    layer = config.build(D_MODEL, layer_idx=7, n_layers=8)
+    layer = config.build(D_MODEL, layer_idx=7, n_layers=micro().model.n_layers)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if name == "ssmax_scale":

@@ -9,7 +9,7 @@ parameter of the block (OLMo-core keys, `blocks.<i>.` prefix kept).
 from __future__ import annotations
 
 from goldens.model import DRAW_SEED
-from goldens.router import PoolRecorder
+from goldens.runtime.recorders import PoolRecorder
 
 BLOCKS = {"dense": 0, "kda": 1, "attention": 7}
 """Case name -> block index in the micro model."""

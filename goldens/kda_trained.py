@@ -2,10 +2,10 @@
 in a model OLMo-core trained on the project's corpus, for the inverse stability tests.
 
 Until the replay's golden trace exists, this trains its own model on CPU: OLMo-core's v1
-`Transformer` with two blocks of the micro config's KDA (2 heads, d_k 32, d_v 64,
-allow_neg_eigval, conv 4) and a dense SwiGLU feed-forward (the micro model's MoE blocks need CPU
-stand-ins that arrive with the model issue), on OLMo-core's own loader over the corpus (micro
-config's batches: 8 x 256 tokens, data seed), AdamW (lr 3e-3, betas 0.9/0.95, wd 0.1, clip 1.0)
+`Transformer` with two blocks of the micro config's KDA (2 heads, d_k 32, d_v 64, allow_neg_eigval,
+conv 4) and a dense SwiGLU feed-forward (the micro model's MoE blocks need CPU stand-ins that
+arrive with the model issue), on OLMo-core's own loader over the corpus (micro config's batches:
+8 x 256 tokens, data seed), AdamW (lr 3e-3; the micro recipe's betas 0.9/0.95, wd 0.1, clip 1.0)
 for `STEPS` steps. The kernel inputs of the last block in the last step are kept (2 rows), with the
 loss of every step. Training is chaotic, so the same run from initial weights moved by one ulp
 gives each tensor's own spread ("spread.<name>"), the envelope goldens-check holds a regenerated
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from goldens.cpu_standins import SUBSTITUTIONS, install, kda_gate, l2_normalize
 from goldens.data import olmo_core_loader, write_token_files
 from goldens.envelope import norm_gap
-from goldens.olmo_core_model import EXPERIMENTAL_KERNELS_OFF, kda_config, rms_norm_config
+from goldens.runtime.models import EXPERIMENTAL_KERNELS_OFF, kda_config, rms_norm_config
+from goldens.runtime.standins import SUBSTITUTIONS, install, kda_gate, l2_normalize
 from goldens.store import GoldenFile
 from goldens.tolerances import REGENERATE_TRAINED_KEYS
 from goldens.trace import perturb_one_ulp
@@ -91,11 +91,12 @@ def _train(perturb_seed: int | None = None) -> dict[str, np.ndarray]:
     from olmo_core.optim import AdamWConfig
 
     config = micro()
+    train = config.train
     model = _model().build(init_device="cpu")
-    model.init_weights(max_seq_len=config.train.seq_len, device=torch.device("cpu"))
+    model.init_weights(max_seq_len=train.seq_len, device=torch.device("cpu"))
     if perturb_seed is not None:
         perturb_one_ulp(model, perturb_seed)
-    optim = AdamWConfig(lr=LR, betas=(0.9, 0.95), weight_decay=0.1).build(model)
+    optim = AdamWConfig(lr=LR, betas=train.betas, weight_decay=train.weight_decay).build(model)
     losses = []
     with (
         tempfile.TemporaryDirectory(prefix="goldens-kda-trained-") as tmp,
@@ -106,7 +107,7 @@ def _train(perturb_seed: int | None = None) -> dict[str, np.ndarray]:
         for _, batch in zip(range(STEPS), loader, strict=False):
             out = model(batch["input_ids"], labels=get_labels(batch))
             out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
             optim.step()
             optim.zero_grad(set_to_none=True)
             losses.append(float(out.loss.detach()))
@@ -134,9 +135,9 @@ def export() -> list[GoldenFile]:
                 "optimizer": {
                     "name": "AdamW",
                     "lr": LR,
-                    "betas": [0.9, 0.95],
-                    "weight_decay": 0.1,
-                    "max_grad_norm": 1.0,
+                    "betas": list(config.train.betas),
+                    "weight_decay": config.train.weight_decay,
+                    "max_grad_norm": config.train.max_grad_norm,
                 },
                 "batch": [config.train.global_batch_size, config.train.seq_len],
                 "loss": "the training loss of every step",

@@ -6,10 +6,11 @@ the gradient of ce + 1e-5 z with respect to the logits."""
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_COMPONENT
 from model.config import micro
+from model.data import IGNORE_INDEX
 
 SEED = 7007
 SHAPE = (2, 32)
-Z_WEIGHT = 1e-5
+Z_WEIGHT = micro().train.z_loss_weight
 
 
 def export() -> list[GoldenFile]:
@@ -20,8 +21,8 @@ def export() -> list[GoldenFile]:
     vocab = micro().model.vocab_size
     logits = (4 * torch.randn(*SHAPE, vocab, generator=generator)).requires_grad_(True)
     labels = torch.randint(0, vocab, SHAPE, generator=generator)
-    labels[:, -1] = -100  # OLMo-core's shifted labels
-    labels[0, 5:9] = -100
+    labels[:, -1] = IGNORE_INDEX  # OLMo-core's shifted labels
+    labels[0, 5:9] = IGNORE_INDEX
     ce, z = cross_entropy_loss(
         logits.view(-1, vocab),
         labels.view(-1),
@@ -41,7 +42,7 @@ def export() -> list[GoldenFile]:
                 "reduction": "sum",
                 "z_loss_multiplier": 1.0,
                 "grad_of": f"ce + {Z_WEIGHT} z",
-                "ignore_index": -100,
+                "ignore_index": IGNORE_INDEX,
             },
             tolerances={
                 "forward": FP32_FORWARD.as_dict(),

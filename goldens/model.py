@@ -1,34 +1,34 @@
 """OLMo-core's micro model on the goldens' batch, for the fp64 oracles (goldens.oracle): its own
-`OLMoDDPModel` (goldens.olmo_core_model, CPU stand-ins) with the weights of a golden state dict, in
+`OLMoDDPModel` (goldens.runtime.models, CPU stand-ins) with the weights of a golden state dict, in
 float32 or float64, on one batch of 2 rows of 256 tokens of the corpus (sonnets) with EOS put in at
 fixed places, so that each row holds several documents (a leading EOS, adjacent EOS, a row ending
 inside a document).
 
 `train_forward` is OLMo-core's training objective (its loss CE + z-loss, sum / D over the D
-labelled tokens, z weight 1e-5, plus the router losses it attaches to the graph: 0.01 LB + 1e-5
-router z per MoE layer, summed over layers) in training mode with global load balancing (a gloo
-group of world size 1, no-op at that size, `set_load_balancing_process_group`) and the EMO pool
-draws of `DRAW_SEED`, recorded per router (`torch.randint` tensors replayed from the RNG state a
-pre-hook saw); `eval_logits` the evaluation forward (every document has the eval pool).
+labelled tokens, plus the router losses it attaches to the graph: LB + router z per MoE layer,
+summed over layers; the micro recipe's weights, z 1e-5, LB 0.01, router z 1e-5) in training mode
+with global load balancing (a gloo group of world size 1, no-op at that size,
+`set_load_balancing_process_group`) and the EMO pool draws of `DRAW_SEED`, recorded per router
+(`torch.randint` tensors replayed from the RNG state a pre-hook saw); `eval_logits` the evaluation
+forward (every document has the eval pool).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS
-from goldens.olmo_core_model import RUNTIME
-from goldens.router import PoolRecorder
+from goldens.runtime.models import RUNTIME
+from goldens.runtime.recorders import PoolRecorder
+from goldens.runtime.standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS
 from goldens.store import load_golden
 from model.config import micro
+from model.data import IGNORE_INDEX
 
 DRAW_SEED = 8009
 ROWS, T = 2, 256
 ROW_STARTS = (1000, 20000)
 """Offsets of the two rows in goldens/data/tokens/sonnets.npy."""
 EOS_POSITIONS = ((0, 50, 51, 130, 200), (77, 160))
-LB_WEIGHT, ROUTER_Z_WEIGHT, Z_LOSS_WEIGHT = 0.01, 1e-5, 1e-5
-IGNORE_INDEX = -100
 PROCESS_GROUP = (
     "torch.distributed: gloo group of world size 1 (HashStore) for global load balancing"
 )
@@ -66,9 +66,14 @@ def prepared_model(weights_path: str = WEIGHTS, dtype=None):
     group, in training mode, in `dtype` (float32 by default)."""
     import torch
 
-    from goldens.olmo_core_model import build
+    from goldens.runtime.models import build
 
-    model = build(micro().model, lb_loss_weight=LB_WEIGHT, router_z_loss_weight=ROUTER_Z_WEIGHT)
+    config = micro()
+    model = build(
+        config.model,
+        lb_loss_weight=config.train.lb_loss_weight,
+        router_z_loss_weight=config.train.router_z_loss_weight,
+    )
     state = load_golden(weights_path).tensors
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
     _load_balancing_group(model)
@@ -88,7 +93,7 @@ def train_forward(model, ids, labels) -> dict:
     out = model(
         ids,
         labels=labels,
-        z_loss_multiplier=Z_LOSS_WEIGHT,
+        z_loss_multiplier=micro().train.z_loss_weight,
         loss_reduction="sum",
         loss_div_factor=div,
         return_logits=True,

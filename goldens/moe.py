@@ -3,7 +3,7 @@
 config's MoE: EMO router over d_model 64, 16 routed SwiGLU experts (hidden 64) in a 32-wide latent
 space between `latent_down_proj` and `latent_up_proj`, one shared SwiGLU expert (hidden 64), run
 by OLMo-core's own no-expert-parallel path (`no_ep.combined_forward_no_ep`) on CPU through the
-stand-ins of `goldens.cpu_standins.install_moe`. The block's mixer is the micro attention.
+stand-ins of `goldens.runtime.standins.install_moe`. The block's mixer is the micro attention.
 
 The MoE part of the block is cut out with hooks: the output of `feed_forward_input_norm` (the MoE
 input m [2, 128, 64]) is replaced by a leaf tensor, the input of `feed_forward_norm` is the MoE
@@ -19,19 +19,19 @@ weighted aux loss (LB weight 0.01, z weight 1e-5, `loss_div_factor` B*(T-1), as 
 
 from __future__ import annotations
 
-from goldens import olmo_core_model
-from goldens.cpu_standins import MOE_SUBSTITUTIONS, install_moe
-from goldens.olmo_core_model import ATTENTION_BACKEND, NO_EXPERT_PARALLELISM
-from goldens.router import LOSS_DIV_FACTOR, PoolRecorder, input_ids
+from goldens.router import LOSS_DIV_FACTOR, X_SHAPE, input_ids
+from goldens.runtime import models
+from goldens.runtime.models import ATTENTION_BACKEND, NO_EXPERT_PARALLELISM
+from goldens.runtime.recorders import PoolRecorder
+from goldens.runtime.standins import MOE_SUBSTITUTIONS, install_moe
+from goldens.runtime.torch_layers import to_numpy, token_mean_cotangent
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_GRAD, MOE_FORWARD, REGENERATE_COMPONENT
-from goldens.torch_layers import to_numpy, token_mean_cotangent
 from model.config import micro
 
 SEED = 7007
 DRAW_SEED = 7008
-X_SHAPE = (2, 128, 64)
-LB_WEIGHT, Z_WEIGHT = 0.01, 1e-5
+LB_WEIGHT, Z_WEIGHT = micro().train.lb_loss_weight, micro().train.router_z_loss_weight
 MOE_PARAMS = (
     "routed_experts_router.weight",
     "routed_experts.w_up_gate",
@@ -54,7 +54,7 @@ FAN_IN_AXIS = {  # how each weight is applied: the axis it contracts with its in
 
 def block_config():
     """OLMo-core's block config for a micro MoE block: attention mixer, peri-norm, latent MoE."""
-    return olmo_core_model.block_config(
+    return models.block_config(
         micro().model,
         "attention",
         dense=False,
@@ -68,12 +68,13 @@ def build_block(generator):
     """The block, its MoE weights drawn N(0, 1/fan_in) from `generator`."""
     import torch
 
-    block = block_config().build(d_model=micro().model.d_model, block_idx=1, n_layers=8)
+    model = micro().model
+    block = block_config().build(d_model=model.d_model, block_idx=1, n_layers=model.n_layers)
     params = dict(block.named_parameters())
     with torch.no_grad():
         for name in MOE_PARAMS:
             p, axis = params[name], FAN_IN_AXIS[name]
-            fan_in = micro().model.d_model if axis is None else p.shape[axis]
+            fan_in = model.d_model if axis is None else p.shape[axis]
             p.copy_(torch.randn(p.shape, generator=generator) / fan_in**0.5)
     return block
 

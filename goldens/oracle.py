@@ -9,7 +9,8 @@ norms; the largest over its run and four runs from weights moved by one ulp), wh
 absolute floor and holds at random init.
 
 Where OLMo-core or a stand-in computes in float32 on purpose (`.float()` for bf16 inputs), the
-float64 run is kept float64 there by `cpu_standins.float64_patches`, listed in each manifest entry.
+float64 run is kept float64 there by `goldens.runtime.standins.float64_patches`, listed in each
+manifest entry.
 
 Files `oracle/<case>_<weights>.safetensors`, `weights` in `WEIGHTS`:
 - `model`: the whole model's training forward and backward (goldens.model: logits, CE, z-loss,
@@ -29,17 +30,18 @@ from collections.abc import Callable
 import numpy as np
 
 from goldens.blocks import BLOCKS, block_vjp, forward_inputs, loss_div_factor
-from goldens.cpu_standins import FLOAT64_PATCHES, float64_patches
 from goldens.envelope import norm_gap
 from goldens.model import STANDINS, batch, eval_logits, prepared_model, train_forward
+from goldens.runtime.standins import FLOAT64_PATCHES, float64_patches
+from goldens.runtime.torch_layers import to_numpy, token_mean_cotangent
 from goldens.store import GoldenFile
 from goldens.tolerances import REGENERATE_ORACLE
-from goldens.torch_layers import to_numpy, token_mean_cotangent
 from goldens.trace import perturb_one_ulp
 
 WEIGHTS = {"init": "trace/params_step0.safetensors", "trained": "trace/params_step50.safetensors"}
 """Weights name -> the golden holding OLMo-core's state dict."""
-MIXERS = {"kda": 1, "attention": 7}
+MIXERS = {kind: BLOCKS[kind] for kind in ("kda", "attention")}
+"""The blocks whose sequence mixer has its own case: KDA block 1, attention block 7."""
 SEED = 8010
 """The cotangents' generator."""
 PERTURBED_SEEDS = (1, 2, 3, 4)

@@ -23,14 +23,18 @@ import dataclasses
 
 import numpy as np
 
+from goldens.corpus import BYTE_VOCAB
+from goldens.runtime.models import router_config
+from goldens.runtime.recorders import PoolRecorder
+from goldens.runtime.torch_layers import to_numpy, token_mean_cotangent
 from goldens.store import GoldenFile
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, REGENERATE_COMPONENT
-from goldens.torch_layers import to_numpy, token_mean_cotangent
-from model.config import EmoConfig, MoEConfig, micro
+from model.config import MoEConfig, micro
 
 SEED = 6006
 DRAW_SEED = 6007
-X_SHAPE = (2, 128, 64)
+X_SHAPE = (2, 128, micro().model.d_model)
+"""[B, T, d_model] of the router input; goldens.moe takes the same shape and input ids."""
 EOS_POSITIONS = ((0, 9, 10, 40, 41, 42, 77, 127), (60, 100))
 """EOS per row: row 0 has one-token documents (leading, adjacent EOS) and ends with an EOS; row 1
 ends inside a document."""
@@ -46,75 +50,13 @@ def moe_config() -> MoEConfig:
     return dataclasses.replace(moe, emo=dataclasses.replace(moe.emo, eval_pool=EVAL_POOL))
 
 
-def router_config(
-    moe: MoEConfig,
-    d_model: int,
-    eos_token_id: int,
-    *,
-    lb_w: float,
-    z_w: float,
-    global_load_balancing: bool = False,
-):
-    """OLMo-core's `MoERouterConfigV2` for our `MoEConfig` (EMO on, local-batch LB loss; global
-    load balancing needs a process group, see `goldens.model`)."""
-    from olmo_core.nn.moe.emo import EmoRouterConfig
-    from olmo_core.nn.moe.v2.router import MoERouterConfigV2
-
-    emo: EmoConfig = moe.emo
-    return MoERouterConfigV2(
-        d_model=d_model,
-        num_experts=moe.num_experts,
-        top_k=moe.top_k,
-        normalize_expert_weights=1.0 if moe.normalize_expert_weights else None,
-        restore_weight_scale=moe.restore_weight_scale,
-        lb_loss_weight=lb_w,
-        z_loss_weight=z_w,
-        global_load_balancing=global_load_balancing,
-        emo=EmoRouterConfig(
-            eos_token_id=eos_token_id,
-            min_document_expert_pool=emo.min_pool,
-            max_document_expert_pool=emo.max_pool,
-            eval_document_expert_pool=emo.eval_pool,
-        ),
-    )
-
-
 def input_ids(eos_token_id: int) -> np.ndarray:
     """[B, T] byte ids (no EOS) with EOS at `EOS_POSITIONS`."""
     B, T, _ = X_SHAPE
-    ids = np.random.Generator(np.random.PCG64(SEED)).integers(0, 256, (B, T), dtype=np.int64)
+    ids = np.random.Generator(np.random.PCG64(SEED)).integers(0, BYTE_VOCAB, (B, T), dtype=np.int64)
     for row, positions in enumerate(EOS_POSITIONS):
         ids[row, list(positions)] = eos_token_id
     return ids
-
-
-class PoolRecorder:
-    """Records what an `EmoRouterV2` draws in one forward: the RNG state a pre-hook saw (replayed
-    into OLMo-core's per-document draw tensor) and the per-token pools `_pool_sizes` returned."""
-
-    def __init__(self, router):
-        import torch
-
-        self.states, self.pools = [], []
-        router.register_forward_pre_hook(lambda m, args: self.states.append(torch.get_rng_state()))
-        original = router._pool_sizes
-
-        def pool_sizes(segment_ids):
-            pools = original(segment_ids)
-            self.pools.append(pools)
-            return pools
-
-        router._pool_sizes = pool_sizes
-        self.emo = router.emo
-
-    def draws(self, call: int, shape) -> object:
-        """OLMo-core's `torch.randint` draw of forward `call`, replayed from its saved state."""
-        import torch
-
-        generator = torch.Generator()
-        generator.set_state(self.states[call])
-        low, high = self.emo.min_document_expert_pool, self.emo.max_document_expert_pool
-        return torch.randint(low, high + 1, shape, generator=generator)
 
 
 def _train_case(router, x, segment_ids, generator) -> dict:
@@ -171,13 +113,21 @@ def export() -> list[GoldenFile]:
     import olmo_core.ops.moe as ops
     import torch
 
-    model = micro().model
+    model, train = micro().model, micro().train
     moe = moe_config()
-    config = router_config(moe, X_SHAPE[-1], model.eos_token_id, lb_w=0.01, z_w=1e-5)
+    config = router_config(
+        moe,
+        X_SHAPE[-1],
+        model.eos_token_id,
+        lb_w=train.lb_loss_weight,
+        z_w=train.router_z_loss_weight,
+    )
     router = config.build()
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=generator) / 8.0)
+        router.weight.copy_(
+            torch.randn(router.weight.shape, generator=generator) / X_SHAPE[-1] ** 0.5
+        )
     x = torch.randn(*X_SHAPE, generator=generator, requires_grad=True)
     ids = torch.from_numpy(input_ids(model.eos_token_id))
     segment_ids = ops.segment_ids_from_eos(ids, model.eos_token_id)

@@ -1,8 +1,8 @@
 """The golden training trace: OLMo-core's real `Trainer` trains the micro model on CPU with the
 hero's recipe scaled down, and every step's metrics, EMO pool draws and a few parameter snapshots
-are kept for the JAX replay (`python -m model.replay`).
+are kept for the JAX replay (`python -m parity.replay`).
 
-OLMo-core 3.0.0 as a training job runs it: `OLMoDDPModel` (`goldens.olmo_core_model.build`),
+OLMo-core 3.0.0 as a training job runs it: `OLMoDDPModel` (`goldens.runtime.models.build`),
 `OLMoDDPTrainModule` (micro-batches of 4 rows: GA 2; z-loss 1e-5; `OLMoDDPOptimizer`: lr 1e-3,
 betas 0.9/0.95, eps 1e-8, wd 0.1 and 0 for `*embeddings.weight`, clip 1.0, skip-step 6 sigma;
 `ConstantWithWarmup(warmup=10)`), the `NumpyFSLDataLoader` of the data goldens, `Trainer.fit()` for
@@ -28,31 +28,36 @@ from pathlib import Path
 
 import numpy as np
 
-from goldens.cpu_standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS, install, install_moe
 from goldens.data import olmo_core_loader, write_token_files
-from goldens.olmo_core_model import RUNTIME
+from goldens.runtime.models import RUNTIME
+from goldens.runtime.standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS, install, install_moe
 from goldens.store import GoldenFile
 from goldens.tolerances import REGENERATE_TRACE
 from model.config import Config, micro, olmo_core
+from model.train_step import METRICS as STEP_METRICS
 
 STEPS = 50
 SNAPSHOT_STEPS = (0, 10, STEPS)
 STEP_SEED = 10_000
 """torch.manual_seed(STEP_SEED + step) before each step."""
-METRICS = {
-    "ce": "train/CE loss",
-    "z_loss": "train/Z loss",
-    "lb_loss": "train/load balancing loss",
-    "router_z_loss": "train/router Z loss",
-    "lr": "optim/LR (group 0)",
-    "grad_norm": "optim/total grad norm",
-    "skipped": "optim/step skipped",
-}
-"""Trace tensor -> OLMo-core metric; per MoE block also "train/block NN/{load balancing loss,
-router Z loss}"."""
+OLMO_CORE_NAMES = (
+    "train/CE loss",
+    "train/Z loss",
+    "train/load balancing loss",
+    "train/router Z loss",
+    "optim/LR (group 0)",
+    "optim/total grad norm",
+)
+METRICS = dict(
+    zip((*STEP_METRICS, "skipped"), (*OLMO_CORE_NAMES, "optim/step skipped"), strict=True)
+)
+"""Trace tensor (our train step's metric) -> OLMo-core metric; per MoE block also
+"train/block NN/{load balancing loss, router Z loss}"."""
 DIR = "trace"
 PERTURBED_SEEDS = (1, 2)
 """Seeds of the one-ulp perturbations of the step-0 weights."""
+MASTER_PORT = "29551"
+"""The gloo process group's port, unless MASTER_PORT is set."""
 
 
 def _process_group() -> None:
@@ -61,7 +66,7 @@ def _process_group() -> None:
     if not dist.is_initialized():
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=os.environ.get("MASTER_PORT", "29551"),
+            MASTER_PORT=os.environ.get("MASTER_PORT", MASTER_PORT),
             RANK="0",
             WORLD_SIZE="1",
             LOCAL_RANK="0",
@@ -144,7 +149,7 @@ def train_module(cfg: Config):
     from olmo_core.optim import ConstantWithWarmup, OLMoDDPOptimizerConfig, OptimGroupOverride
     from olmo_core.train.train_module import OLMoDDPTrainModuleConfig, TransformerDataParallelConfig
 
-    from goldens.olmo_core_model import build
+    from goldens.runtime.models import build
 
     train = cfg.train
     install()
@@ -263,7 +268,8 @@ def export() -> list[GoldenFile]:
             *SUBSTITUTIONS,
             *MOE_SUBSTITUTIONS,
             *RUNTIME,
-            "torch.distributed: gloo process group of world size 1 (env://, MASTER_PORT 29551)",
+            "torch.distributed: gloo process group of world size 1 "
+            f"(env://, MASTER_PORT {MASTER_PORT})",
         ],
     }
     files = [

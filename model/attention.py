@@ -73,8 +73,8 @@ def causal_attention(
 
 class Attention(nnx.Module):
     """x [B, T, d_model] -> [B, T, d_model]. `ignore_segment_ids` is
-    `Flags.olmoe3_mixers_ignore_segment_ids`. `out_std` is w_out's init std (OLMo-core scales it
-    by init method; `std` for "normal"). QK-norm gains and scalable-softmax scales start at 1.
+    `Flags.olmoe3_mixers_ignore_segment_ids`. Linear weights drawn `trunc_normal(std)` (OLMo-core's
+    "normal" init). QK-norm gains and scalable-softmax scales start at 1.
     `dtype`: the compute dtype (`model.precision`)."""
 
     def __init__(
@@ -83,8 +83,7 @@ class Attention(nnx.Module):
         d_model: int,
         *,
         ignore_segment_ids: bool,
-        std: float = 0.02,
-        out_std: float | None = None,
+        std: float,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -94,7 +93,7 @@ class Attention(nnx.Module):
         self.w_k = linear(d_model, Hkv * D, std, rngs, dtype=dtype)
         self.w_v = linear(d_model, Hkv * D, std, rngs, dtype=dtype)
         self.w_g = linear(d_model, H * D, std, rngs, dtype=dtype)
-        self.w_out = linear(H * D, d_model, std if out_std is None else out_std, rngs, dtype=dtype)
+        self.w_out = linear(H * D, d_model, std, rngs, dtype=dtype)
         self.q_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(H, D), dtype=dtype)
         self.k_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(Hkv, D), dtype=dtype)
         self.ssmax_scale = nnx.Param(jnp.ones((H,), full_precision(dtype)))

@@ -68,9 +68,11 @@ class Block(nnx.Module):
             raise NotImplementedError(layer_type)
         self.is_moe = index not in config.dense_layers
         if self.is_moe:
-            self.feed_forward = LatentMoE(config.moe, d, dtype=dtype, rngs=rngs)
+            self.feed_forward = LatentMoE(config.moe, d, std=std, dtype=dtype, rngs=rngs)
         else:
-            self.feed_forward = SharedExpert(d, config.dense_hidden, dtype=dtype, rngs=rngs)
+            self.feed_forward = SharedExpert(
+                d, config.dense_hidden, std=std, dtype=dtype, rngs=rngs
+            )
         for name in NORMS:
             setattr(self, name, RMSNorm(d, eps=config.norm_eps, dtype=dtype))
 

@@ -23,6 +23,7 @@ AUX_LOSS_REDUCTIONS = ("mean", "sum")
 KDA_INVERSES = ("forward_substitution", "newton_schulz", "power_series")
 POSITIONAL_ENCODINGS = ("none",)
 COMPUTE_DTYPES = ("float32", "float64", "bfloat16")
+ROUTER_DTYPES = (None, "bfloat16")
 
 
 class _Config:
@@ -172,9 +173,17 @@ class MoEConfig(_Config):
     restore_weight_scale: bool = True
     """Multiply the normalised weights by top_k."""
     emo: EmoConfig | None = None
+    router_dtype: str | None = None
+    """The router matmul's dtype: None is full precision (OLMo-core's float32; float64 in a
+    float64 model), "bfloat16" MaxText's activation dtype."""
 
     def validate(self) -> None:
         self._positive("num_experts", "top_k", "expert_hidden", "latent_dim")
+        self._require(
+            self.router_dtype in ROUTER_DTYPES,
+            "router_dtype",
+            f"must be one of {ROUTER_DTYPES}, got {self.router_dtype!r}",
+        )
         self._require(
             self.top_k <= self.num_experts,
             "top_k",

@@ -50,9 +50,9 @@ class CausalConv1d(nnx.Module):
 
 class KimiDeltaAttention(nnx.Module):
     """x [B, T, d_model] -> [B, T, d_model]. `inverse` is `Flags.kda_inverse`;
-    `ignore_segment_ids` is `Flags.olmoe3_mixers_ignore_segment_ids`. `out_std` is the output
-    projection's init std (OLMo-core scales it by init method; `std` for "normal"). `dtype`: the
-    compute dtype (`model.precision`)."""
+    `ignore_segment_ids` is `Flags.olmoe3_mixers_ignore_segment_ids`. Linear weights drawn
+    `trunc_normal(std)` (OLMo-core's "normal" init). `dtype`: the compute dtype
+    (`model.precision`)."""
 
     def __init__(
         self,
@@ -61,8 +61,7 @@ class KimiDeltaAttention(nnx.Module):
         *,
         inverse: str,
         ignore_segment_ids: bool,
-        std: float = 0.02,
-        out_std: float | None = None,
+        std: float,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -83,7 +82,7 @@ class KimiDeltaAttention(nnx.Module):
         self.g_proj_1 = linear(d_model, dv, std, rngs, dtype=dtype)
         self.g_proj_2 = linear(dv, H * dv, std, rngs, bias=True, dtype=dtype)
         self.o_norm = nnx.Param(jnp.ones((dv,), p_dtype))
-        self.w_out = linear(H * dv, d_model, std if out_std is None else out_std, rngs, dtype=dtype)
+        self.w_out = linear(H * dv, d_model, std, rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         c = self.config

@@ -33,7 +33,6 @@ L2_NORM_EPS = 1e-6
 """FLA's `l2norm` eps, added to the sum of squares (not to the norm)."""
 SUB_BLOCK = 16
 """Forward substitution works in SUB_BLOCK x SUB_BLOCK diagonal blocks, then merges them."""
-INVERSES = ("forward_substitution", "newton_schulz", "power_series")
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -126,7 +125,7 @@ def _power_series(a: jax.Array) -> jax.Array:
 
 
 def invert_unit_lower(a: jax.Array, method: str = "forward_substitution") -> jax.Array:
-    """(I + a)^-1 for strictly lower a [..., C, C]; `method` in INVERSES (Flags.kda_inverse)."""
+    """(I + a)^-1 for strictly lower a [..., C, C]; `method` in KDA_INVERSES (Flags.kda_inverse)."""
     if method == "forward_substitution":
         return _blocked_forward_substitution(a)
     if method == "newton_schulz":

@@ -70,10 +70,17 @@ class RoutedExperts(nnx.Module):
     Computes in `dtype` (the compute dtype), params in `full_precision(dtype)`."""
 
     def __init__(
-        self, num_experts: int, width: int, hidden: int, *, dtype=jnp.float32, rngs: nnx.Rngs
+        self,
+        num_experts: int,
+        width: int,
+        hidden: int,
+        *,
+        std: float,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
     ):
         self.dtype = dtype
-        init, p_dtype = trunc_normal(0.02), full_precision(dtype)
+        init, p_dtype = trunc_normal(std), full_precision(dtype)
         self.w_up_gate = nnx.Param(init(rngs.params(), (num_experts, 2 * hidden, width), p_dtype))
         self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, width), p_dtype))
 
@@ -94,9 +101,9 @@ class SharedExpert(nnx.Module):
     """One SwiGLU expert applied to every token: x [..., D] -> [..., D]. Computes in `dtype`
     (the compute dtype), params in `full_precision(dtype)`."""
 
-    def __init__(self, d_model: int, hidden: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, hidden: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs):
         self.dtype = dtype
-        init, p_dtype = trunc_normal(0.02), full_precision(dtype)
+        init, p_dtype = trunc_normal(std), full_precision(dtype)
         self.w_up_gate = nnx.Param(init(rngs.params(), (d_model, 2 * hidden), p_dtype))
         self.w_down = nnx.Param(init(rngs.params(), (1, hidden, d_model), p_dtype))
 
@@ -143,18 +150,25 @@ class LatentMoE(nnx.Module):
     (None: B*T); `lb_axis_name`: as `router_aux`. Children carry OLMo-core's block-level names.
     `dtype`: the compute dtype (`model.precision`)."""
 
-    def __init__(self, config: MoEConfig, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config: MoEConfig, d_model: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs
+    ):
         if config.shared_expert_hidden is None:
             raise NotImplementedError("LatentMoE without a shared expert")
         self.config = config
-        self.routed_experts_router = Router(config, d_model, dtype=dtype, rngs=rngs)
-        self.latent_down_proj = linear(d_model, config.latent_dim, 0.02, rngs, dtype=dtype)
+        self.routed_experts_router = Router(config, d_model, std=std, dtype=dtype, rngs=rngs)
+        self.latent_down_proj = linear(d_model, config.latent_dim, std, rngs, dtype=dtype)
         self.routed_experts = RoutedExperts(
-            config.num_experts, config.latent_dim, config.expert_hidden, dtype=dtype, rngs=rngs
+            config.num_experts,
+            config.latent_dim,
+            config.expert_hidden,
+            std=std,
+            dtype=dtype,
+            rngs=rngs,
         )
-        self.latent_up_proj = linear(config.latent_dim, d_model, 0.02, rngs, dtype=dtype)
+        self.latent_up_proj = linear(config.latent_dim, d_model, std, rngs, dtype=dtype)
         self.shared_experts = SharedExpert(
-            d_model, config.shared_expert_hidden, dtype=dtype, rngs=rngs
+            d_model, config.shared_expert_hidden, std=std, dtype=dtype, rngs=rngs
         )
 
     def __call__(

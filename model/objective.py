@@ -25,22 +25,20 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from model.config import Config
-from model.data import IGNORE_INDEX
 from model.loss import lm_head_loss_sums
 from model.sharding import BATCH_AXES
 from model.train_step import TermsFn
 
 Axes = tuple[str, ...] | None
-AUX_LOSS_DIVS = ("batch_labels", "micro_batch_labels", "micro_batch_positions")
 
 
-def _local_terms(graphdef, cfg: Config, params, mb, div, aux_div, lb_axis_name: Axes):
+def _local_terms(graphdef, cfg: Config, params, mb, div, lb_axis_name: Axes):
     model = nnx.merge(graphdef, params)
     h, aux = model.hidden(
         mb["inputs"],
         train=True,
         pool_draws=jnp.swapaxes(mb["pool_draws"], 0, 1),  # shape: [b, L, T] -> [L, b, T]
-        loss_div_factor=aux_div,
+        loss_div_factor=div,
         document_ids=mb["inputs_segmentation"] - 1,
         lb_axis_name=lb_axis_name,
     )
@@ -55,46 +53,26 @@ def _local_terms(graphdef, cfg: Config, params, mb, div, aux_div, lb_axis_name: 
     return {"ce": ce / div, "z_loss": z / div, "lb_loss": aux.lb_loss, "router_z_loss": aux.z_loss}
 
 
-def _aux_div(mb, div, aux_loss_div: str):
-    """The router losses' divisor: OLMo-core's D (the batch's labelled tokens), or the
-    micro-batch's labelled tokens or positions (MaxText-style normalisers, for the ablation)."""
-    if aux_loss_div == "batch_labels":
-        return div
-    if aux_loss_div == "micro_batch_labels":
-        return jnp.sum(mb["labels"] != IGNORE_INDEX).astype(jnp.float32)
-    return jnp.float32(mb["labels"].size)  # "micro_batch_positions"
-
-
-def model_terms_fn(
-    graphdef, cfg: Config, *, mesh: Mesh | None = None, aux_loss_div: str = "batch_labels"
-) -> TermsFn:
+def model_terms_fn(graphdef, cfg: Config, *, mesh: Mesh | None = None) -> TermsFn:
     """`terms_fn(params, micro_batch, loss_div_factor)` of the `Transformer` split into
-    `graphdef` and params: "ce", "z_loss" (scalars), "lb_loss", "router_z_loss" ([n_moe_layers]).
-    `aux_loss_div`: the router losses' divisor, one of `AUX_LOSS_DIVS` (OLMo-core's is the
-    first; the others are kept to measure what MaxText-style normalisers change)."""
-    if aux_loss_div not in AUX_LOSS_DIVS:
-        raise ValueError(f"aux_loss_div must be one of {AUX_LOSS_DIVS}, got {aux_loss_div!r}")
+    `graphdef` and params: "ce", "z_loss" (scalars), "lb_loss", "router_z_loss" ([n_moe_layers]),
+    each divided by the batch's D (the router losses too, as OLMo-core's)."""
     if mesh is None:
-
-        def local(params, mb, div):
-            aux_div = _aux_div(mb, div, aux_loss_div)
-            return _local_terms(graphdef, cfg, params, mb, div, aux_div, None)
-
-        return local
+        return lambda params, mb, div: _local_terms(graphdef, cfg, params, mb, div, None)
     devices = mesh.shape["data"] * mesh.shape["fsdp"]
     global_lb = cfg.flags.moe_global_load_balancing
 
-    def per_device(params, mb, div, aux_div):
+    def per_device(params, mb, div):
         axes = BATCH_AXES if global_lb else None
-        terms = _local_terms(graphdef, cfg, params, mb, div, aux_div, axes)
+        terms = _local_terms(graphdef, cfg, params, mb, div, axes)
         return jax.tree.map(lambda x: x[None], terms)
 
     sharded = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(P(), P(BATCH_AXES), P(), P()), out_specs=P(BATCH_AXES)
+        per_device, mesh=mesh, in_specs=(P(), P(BATCH_AXES), P()), out_specs=P(BATCH_AXES)
     )
 
     def terms(params, mb, div):
-        each = sharded(params, mb, div, _aux_div(mb, div, aux_loss_div))  # [devices, ...] a term
+        each = sharded(params, mb, div)  # [devices, ...] a term
         total = jax.tree.map(lambda x: jnp.sum(x, axis=0), each)
         if not global_lb:
             device_0 = devices * each["lb_loss"][0]

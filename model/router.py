@@ -100,16 +100,15 @@ def route(
 class Router(nnx.Module):
     """x [B, T, d_model] -> `Routing`. With `config.emo`, `document_ids` [B, T] are required and
     `pools` are the per-document pool sizes [B, T] (training) or None (evaluation: eval pool).
-    `dtype`: the compute dtype; the router computes in full precision whatever it is."""
+    `dtype`: the compute dtype; the router computes in full precision whatever it is, unless
+    `config.router_dtype` says otherwise. Weight drawn `trunc_normal(std)`."""
 
-    def __init__(self, config: MoEConfig, d_model: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config: MoEConfig, d_model: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs
+    ):
         self.config, self.d_model = config, d_model
         shape = (config.num_experts * d_model,)
-        self.weight = nnx.Param(trunc_normal(0.02)(rngs.params(), shape, full_precision(dtype)))
-        self.logits_dtype = "float32"
-        """The router matmul's dtype: OLMo-core's float32 (full precision: float64 in a float64
-        model); "bfloat16" (MaxText's activation dtype) is kept to measure what it changes
-        (`set_logits_dtype`)."""
+        self.weight = nnx.Param(trunc_normal(std)(rngs.params(), shape, full_precision(dtype)))
 
     def __call__(
         self,
@@ -121,7 +120,7 @@ class Router(nnx.Module):
         c = self.config
         w = self.weight[...].reshape(c.num_experts, self.d_model)
         precise = full_precision(w.dtype)
-        dtype = precise if self.logits_dtype == "float32" else jnp.dtype(self.logits_dtype)
+        dtype = precise if c.router_dtype is None else jnp.dtype(c.router_dtype)
         # shape: [B, T, D] -> [B, T, E]
         logits = (x.astype(dtype) @ w.astype(dtype).T).astype(precise)
         keep = None
@@ -139,12 +138,3 @@ class Router(nnx.Module):
             restore_weight_scale=c.restore_weight_scale,
             keep=keep,
         )
-
-
-def set_logits_dtype(model: nnx.Module, dtype: str) -> None:
-    """Every router of `model` computes its logits in `dtype` ("float32" or "bfloat16")."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"router logits dtype must be float32 or bfloat16, got {dtype!r}")
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, Router):
-            module.logits_dtype = dtype

@@ -5,7 +5,7 @@ A step's losses are normalised by D, the count of labels not ignored in the whol
 (OLMo-core's `batch_num_tokens_for_loss`): each micro-batch adds its sums divided by D. So the
 gradient is the whole-batch gradient and the reported CE, z-loss and aux losses are the sums of the
 micro-batch contributions, whatever the number of micro-batches (MaxText reported z-loss and aux
-losses GA times too large; `ga_reporting="micro_batch_means"` keeps that path to show it).
+losses GA times too large).
 
 `terms_fn(params, micro_batch, loss_div_factor)` is the model's side: it returns the unweighted
 terms of one micro-batch, already divided by D: "ce" and "z_loss" (scalars) and, for MoE models,
@@ -28,7 +28,10 @@ from model.data import IGNORE_INDEX
 
 TermsFn = Callable[[Any, dict[str, jax.Array], jax.Array], dict[str, jax.Array]]
 AUX_TERMS = ("lb_loss", "router_z_loss")
-GA_REPORTING = ("batch", "micro_batch_means")
+"""The MoE terms; each is also reported per layer as "<name>_per_layer"."""
+METRICS = ("ce", "z_loss", *AUX_TERMS, "lr", "grad_norm")
+"""The scalar metrics a step reports besides "skipped", in the order a replay looks for a
+divergence."""
 
 
 class TrainState(NamedTuple):
@@ -71,13 +74,6 @@ def loss_div_factor(micro_batches: dict[str, jax.Array]) -> jax.Array:
     return jnp.sum(micro_batches["labels"] != IGNORE_INDEX).astype(jnp.float32)
 
 
-def _as_micro_batch_mean(terms: dict[str, jax.Array], div, mb) -> dict[str, jax.Array]:
-    """MaxText's logs before the fix: every term but CE normalised by the micro-batch's own
-    label count instead of the batch's, so their sum over micro-batches is GA times too large."""
-    scale = div / loss_div_factor(jax.tree.map(lambda x: x[None], mb))
-    return {k: v if k == "ce" else v * scale for k, v in terms.items()}
-
-
 def accumulate(
     params,
     micro_batches,
@@ -85,17 +81,11 @@ def accumulate(
     cfg: Config,
     terms_fn: TermsFn,
     grad_sharding=None,
-    ga_reporting: str = "batch",
 ):
     """Gradients and reported terms summed over the micro-batches (leading axis), under
     `lax.scan`. `grad_sharding` (a pytree of shardings like params) constrains the accumulated
     gradients inside the loop; `Flags.ga_params_loop_barrier` puts an optimisation barrier on the
-    params in the loop body so XLA cannot hoist work on them out of it.
-
-    `ga_reporting`: "batch" (the fix) or "micro_batch_means", MaxText's old logs of z-loss and
-    aux losses (GA times too large), kept to show the bug; the gradients are the same."""
-    if ga_reporting not in GA_REPORTING:
-        raise ValueError(f"ga_reporting must be one of {GA_REPORTING}, got {ga_reporting!r}")
+    params in the loop body so XLA cannot hoist work on them out of it."""
     div = loss_div_factor(micro_batches)
 
     def objective(p, mb):
@@ -105,8 +95,6 @@ def accumulate(
     def body(acc, mb):
         p = lax.optimization_barrier(params) if cfg.flags.ga_params_loop_barrier else params
         (_, terms), grads = jax.value_and_grad(objective, has_aux=True)(p, mb)
-        if ga_reporting == "micro_batch_means":
-            terms = _as_micro_batch_mean(terms, div, mb)
         acc = jax.tree.map(jnp.add, acc, (grads, terms))
         if grad_sharding is not None:
             acc = (lax.with_sharding_constraint(acc[0], grad_sharding), acc[1])
@@ -126,7 +114,6 @@ def train_step(
     cfg: Config,
     terms_fn: TermsFn,
     grad_sharding=None,
-    ga_reporting: str = "batch",
 ):
     """Accumulate over the micro-batches [GA, b, ...] (arguments as `accumulate`), then one
     optimizer step. Returns (state, metrics): the reported terms (with the weighted MoE terms of
@@ -137,7 +124,6 @@ def train_step(
         cfg=cfg,
         terms_fn=terms_fn,
         grad_sharding=grad_sharding,
-        ga_reporting=ga_reporting,
     )
     params, opt_state, metrics = optim.step(
         state.params, grads, state.opt_state, step=state.step, loss=terms["ce"], cfg=cfg

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from goldens.model import LB_WEIGHT, ROUTER_Z_WEIGHT, Z_LOSS_WEIGHT
 from goldens.oracle import WEIGHTS
 from model.config import micro
 from model.convert import from_olmo_core, model_entries, params_to_olmo_core
@@ -20,6 +19,7 @@ from model.loss import cross_entropy_sums
 from model.router import document_ids_from_eos
 
 CFG = micro().model
+TRAIN = micro().train
 
 
 def olmo_core_model(golden, weights: str = "trained", dtype: str = "float32"):
@@ -27,6 +27,12 @@ def olmo_core_model(golden, weights: str = "trained", dtype: str = "float32"):
     (float64 must be built and run under `jax.enable_x64(True)`)."""
     cfg = dataclasses.replace(CFG, compute_dtype=dtype)
     return from_olmo_core(golden(WEIGHTS[weights]).tensors, cfg)
+
+
+def _router_losses(aux):
+    """The weighted router losses OLMo-core attaches to a MoE block's output: lb_w LB + rz_w
+    router z (per MoE layer)."""
+    return TRAIN.lb_loss_weight * aux.lb_loss + TRAIN.router_z_loss_weight * aux.z_loss
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -40,14 +46,15 @@ def _train(graphdef, state, input_ids, labels, pool_draws):
             input_ids, train=True, pool_draws=pool_draws, loss_div_factor=div
         )
         ce, z = cross_entropy_sums(out.logits, labels)
-        aux = jnp.sum(LB_WEIGHT * out.aux.lb_loss + ROUTER_Z_WEIGHT * out.aux.z_loss)
-        return ce / div + Z_LOSS_WEIGHT * z / div + aux, (out, ce / div, Z_LOSS_WEIGHT * z / div)
+        aux = jnp.sum(_router_losses(out.aux))
+        z_term = TRAIN.z_loss_weight * z / div
+        return ce / div + z_term + aux, (out, ce / div, z_term)
 
     (_, (out, ce, z)), grads = jax.value_and_grad(objective, has_aux=True)(state)
     return out, ce, z, grads
 
 
-_eval_logits = nnx.jit(lambda m, ids: m(ids).logits)
+eval_logits = nnx.jit(lambda m, ids: m(ids).logits)
 
 
 def model_outputs(model, oracle) -> dict[str, np.ndarray]:
@@ -65,7 +72,7 @@ def model_outputs(model, oracle) -> dict[str, np.ndarray]:
         "z_loss": z[None],
         "lb_loss": out.aux.lb_loss,
         "router_z_loss": out.aux.z_loss,
-        "eval.logits": _eval_logits(model, oracle["input_ids"]),
+        "eval.logits": eval_logits(model, oracle["input_ids"]),
         **{f"grad.{k}": v for k, v in ours.items()},
     }, np.asarray(out.aux.counts)
 
@@ -81,7 +88,7 @@ def _block_vjp(graphdef, index, state, x, input_ids, pool_draws, cotangent, div)
         y, aux = model.blocks[index](
             x, document_ids=document_ids, pools=pool_draws, loss_div_factor=div
         )
-        attached = 0.0 if aux is None else LB_WEIGHT * aux.lb_loss + ROUTER_Z_WEIGHT * aux.z_loss
+        attached = 0.0 if aux is None else _router_losses(aux)
         return jnp.sum(y * cotangent) + attached, y
 
     (_, y), grads = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(state, x)

@@ -21,6 +21,7 @@ def _olmo_core_layer(golden, *, ignore_segment_ids=True):
         micro().model.attention,
         g.entry["config"]["d_model"],
         ignore_segment_ids=ignore_segment_ids,
+        std=micro().model.init_std,
         rngs=nnx.Rngs(0),
     )
     load_olmo_core(layer, g.group("param."), attention_entries())

@@ -1,5 +1,5 @@
 """The whole-model weight map: an OLMo-core `OLMoDDPModel` state dict (OLMo-core's own keys and
-shapes, from goldens.olmo_core_model) -> `Transformer` -> state dict is bit-exact; unknown, missing
+shapes, from goldens.runtime.models) -> `Transformer` -> state dict is bit-exact; unknown, missing
 and mis-shaped keys are errors naming the key."""
 
 import numpy as np
@@ -14,7 +14,7 @@ CFG = micro().model
 @pytest.fixture(scope="module")
 def olmo_core_state_dict():
     """OLMo-core's micro model, every tensor replaced by distinct random values."""
-    from goldens.olmo_core_model import build
+    from goldens.runtime.models import build
 
     rng = np.random.default_rng(0)
     return {
@@ -89,7 +89,7 @@ def test_init_is_in_olmo_core_distribution():
     pools inside OLMo-core's range padded by half its spread."""
     from flax import nnx
 
-    from goldens.olmo_core_model import build
+    from goldens.runtime.models import build
     from model.transformer import Transformer
 
     model = Transformer(

@@ -1,13 +1,14 @@
-"""The exporter's CPU stand-ins (goldens/cpu_standins.py), each against an independent reference.
-FLA's kernels: OLMo-core's RMSNorm, torch's Conv1d (which OLMo-core's CausalConv1d subclasses),
-FLA's naive_chunk_kda; documents of cu_seqlens isolated. The v2 MoE's: grouped GEMM against
-per-row weights, TE permute / unpermute against a loop over tokens. Backward by fp64 gradcheck."""
+"""The exporter's CPU stand-ins (goldens/runtime/standins.py), each against an independent
+reference. FLA's kernels: OLMo-core's RMSNorm, torch's Conv1d (which OLMo-core's CausalConv1d
+subclasses), FLA's naive_chunk_kda; documents of cu_seqlens isolated. The v2 MoE's: grouped GEMM
+against per-row weights, TE permute / unpermute against a loop over tokens. Backward by fp64
+gradcheck."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from goldens import cpu_standins as s
+from goldens.runtime import standins as s
 from goldens.tolerances import (
     BITWISE,
     STANDIN_CHUNK_KDA,

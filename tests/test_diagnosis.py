@@ -1,4 +1,4 @@
-"""The diagnosis (`model.diagnosis`): every candidate's code path changes the quantity it should,
+"""The diagnosis (`parity.diagnosis`): every candidate's code path changes the quantity it should,
 each on a small case (the golden-batch checks of all candidates run in `tox -e slow`), and the
 report generator runs on a 2-step ablation of the golden trace: the mean-over-layers run, whose
 aux losses at step 1 are OLMo-core's divided by the MoE layers."""
@@ -13,16 +13,22 @@ from flax import nnx
 
 from goldens.tolerances import (
     BF16_LOGITS_ROUNDING,
+    BITWISE,
     DRAWS_AGREE_BY_CHANCE,
     RAW_WEIGHT_SUMS_VISIBLE,
     ROUTING_WEIGHT_SUM,
+    SHARDED,
     STEP_ONE,
 )
-from model import diagnosis, replay
+from model import train_step as ts
 from model.config import micro, olmo_core
-from model.golden_trace import load_trace
 from model.optim import lr_at
-from model.router import Router, route, set_logits_dtype
+from model.router import Router, route
+from model.train_step import AUX_TERMS
+from parity import small_lm
+from parity.diagnosis import ablation, candidates, report, variants
+from parity.run import Run, micro_batches
+from parity.trace import load_trace
 from tests.compare import assert_close
 
 STEPS = 2
@@ -32,30 +38,35 @@ candidate's is `tox -e slow`'s (tests/test_diagnosis_full.py)."""
 
 
 @pytest.fixture(scope="module")
-def ablation():
+def ablated():
     trace = load_trace()
-    results = diagnosis.run_all(trace, steps=STEPS, names=GATE_CANDIDATES)
-    return trace, [diagnosis._with_aux(trace, r) for r in results]
+    return trace, ablation.run_all(trace, steps=STEPS, names=GATE_CANDIDATES)
 
 
-def test_report_structure(ablation, snapshot, tmp_path):
-    trace, results = ablation
-    names = [c.name for c in diagnosis.candidates(trace.config)]
-    rows = diagnosis.table(results)
-    assert [len(r) for r in rows] == [len(diagnosis.COLUMNS)] * len(results)
-    report = diagnosis.report(trace, results, steps=STEPS)
-    assert all(f"`{r['name']}`" in report for r in results)
-    diagnosis.plot(results, tmp_path / "diagnosis.png")
+def test_report_structure(ablated, snapshot, tmp_path):
+    trace, results = ablated
+    names = [c.name for c in candidates.candidates(trace.config)]
+    rows = report.table(results)
+    assert [len(r) for r in rows] == [len(report.COLUMNS)] * len(results)
+    markdown = report.report(trace, results, steps=STEPS)
+    assert all(f"`{r.name}`" in markdown for r in results)
+    assert "+11-72%" in markdown and "+7-32%" in markdown, "the seed's pattern, from SEED_PATTERN"
+    report.plot(results, tmp_path / "diagnosis.png")
     assert (tmp_path / "diagnosis.png").stat().st_size > 10_000
-    assert {"columns": list(diagnosis.COLUMNS), "candidates": names} == snapshot
+    assert {"columns": list(report.COLUMNS), "candidates": names} == snapshot
 
 
-def test_mean_divides_by_the_moe_layers(ablation):
-    trace, results = ablation
-    by_name = {r["name"]: r for r in results}
+def test_unknown_candidate_is_named():
+    with pytest.raises(ablation.UnknownCandidateError, match="aux_men"):
+        ablation.run_all(load_trace(), steps=1, names=["aux_men"])
+
+
+def test_mean_divides_by_the_moe_layers(ablated):
+    trace, results = ablated
+    by_name = {r.name: r for r in results}
     n_moe = len(trace.moe_blocks)
-    step_1 = by_name["aux_mean"]["rows"][0]
-    for name in diagnosis.AUX:
+    step_1 = by_name["aux_mean"].rows[0]
+    for name in AUX_TERMS:
         golden = float(trace.metrics[name][0])
         assert_close(name, expected=golden / n_moe, actual=step_1[name], tol=STEP_ONE)
 
@@ -70,28 +81,27 @@ def test_warmup_from_0_starts_at_lr_0():
 def test_jax_draws_have_olmo_core_s_distribution_not_its_values():
     trace = load_trace()
     emo = trace.config.model.moe.emo
-    ours = replay.micro_batches(trace, replay.Run(trace.config, draws="jax"), 1)["pool_draws"]
+    run = Run(trace.config, draws=variants.JaxDraws(emo))
+    ours = micro_batches(trace, run, 1)["pool_draws"]
     theirs = trace.micro_batches(1, trace.config.flags)["pool_draws"]
     assert ours.shape == theirs.shape
     assert ours.min() >= emo.min_pool and ours.max() <= emo.max_pool
     assert np.mean(ours[..., 0] == theirs[..., 0]) < DRAWS_AGREE_BY_CHANCE
 
 
-def _router():
-    return Router(dataclasses.replace(micro().model.moe, emo=None), 64, rngs=nnx.Rngs(0))
+def _router_logits(router_dtype, x):
+    moe = dataclasses.replace(micro().model.moe, emo=None, router_dtype=router_dtype)
+    return Router(moe, 64, std=micro().model.init_std, rngs=nnx.Rngs(0))(x).logits
 
 
 def test_router_logits_in_bfloat16_round_them():
-    router = _router()
     x = jax.random.normal(jax.random.key(1), (2, 16, 64))
-    exact = router(x).logits
-    set_logits_dtype(router, "bfloat16")
-    rounded = router(x).logits
+    exact, rounded = _router_logits(None, x), _router_logits("bfloat16", x)
     err = float(jnp.max(jnp.abs(rounded - exact)) / jnp.max(jnp.abs(exact)))
     low, high = BF16_LOGITS_ROUNDING
     assert low < err < high, err
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        set_logits_dtype(router, "float16")
+    with pytest.raises(ValueError, match=r"MoEConfig\.router_dtype"):
+        dataclasses.replace(micro().model.moe, router_dtype="float16")
 
 
 @pytest.mark.parametrize(
@@ -117,3 +127,58 @@ def test_segments_per_row_give_one_document_a_row():
     per_row = trace.micro_batches(1, flags)["inputs_segmentation"]
     per_document = trace.micro_batches(1, trace.config.flags)["inputs_segmentation"]
     assert (per_row == 1).all() and per_document.max() > 1
+
+
+def _small_lm():
+    params, rows = small_lm.params_and_rows(vocab=64, d_model=16, rows=2, seq_len=32, routers=3)
+    return params, {k: np.tile(v, (4, 1)) for k, v in rows.items()}
+
+
+def test_micro_batch_mean_logs_are_ga_times_too_large():
+    """Four identical micro-batches: OLMo-core's logs equal GA = 1's, MaxText's old ones are 4
+    times them for z-loss and both router losses (CE is right either way); the gradients are
+    OLMo-core's."""
+    params, rows = _small_lm()
+    cfg = olmo_core(micro())
+    run = jax.jit(
+        lambda mb, wrap: ts.accumulate(params, mb, cfg=cfg, terms_fn=wrap(small_lm.terms_fn())),
+        static_argnums=1,
+    )
+    same = lambda terms_fn: terms_fn  # noqa: E731
+    grads, fixed = run(small_lm.micro_batches(rows, 4), same)
+    old_grads, old = run(small_lm.micro_batches(rows, 4), variants.micro_batch_mean_logs)
+    _, single = run(small_lm.micro_batches(rows, 1), same)
+    assert_close("fixed = GA 1", expected=single, actual=fixed, tol=SHARDED)
+    expected_old = {k: v if k == "ce" else 4 * v for k, v in single.items()}
+    assert_close("old = 4 x GA 1", expected=expected_old, actual=old, tol=SHARDED)
+    assert_close("grads", expected=grads, actual=old_grads, tol=BITWISE)
+
+
+@pytest.mark.parametrize(
+    ("wrap", "own"),
+    [
+        (variants.aux_per_micro_batch_labels, lambda mb: ts.loss_div_factor(mb)),
+        (variants.aux_per_micro_batch_positions, lambda mb: float(mb["labels"].size)),
+    ],
+    ids=["labels", "positions"],
+)
+def test_micro_batch_aux_normalisers(wrap, own):
+    """One micro-batch of four: the variants' router losses, and their gradients, are the
+    OLMo-core terms computed with the micro-batch's own labels or positions as D; CE and z-loss
+    keep the batch's D."""
+    params, rows = _small_lm()
+    mb = jax.tree.map(lambda x: x[0], small_lm.micro_batches(rows, 4))
+    terms_fn, div = small_lm.terms_fn(), 4 * ts.loss_div_factor(mb)
+
+    def value_and_grads(fn, d):
+        return jax.value_and_grad(lambda p: fn(p, mb, d)["lb_loss"].sum())(params), fn(
+            params, mb, d
+        )
+
+    (_, grads), terms = value_and_grads(wrap(terms_fn), div)
+    (_, expected_grads), expected = value_and_grads(terms_fn, own(mb))
+    for name in AUX_TERMS:
+        assert_close(name, expected=expected[name], actual=terms[name], tol=SHARDED)
+    assert_close("LB gradient", expected=expected_grads, actual=grads, tol=SHARDED)
+    plain = terms_fn(params, mb, div)
+    assert_close("ce, z", expected=plain["ce"], actual=terms["ce"], tol=BITWISE)

@@ -13,8 +13,11 @@ from goldens.tolerances import (
     STEP_ONE_METRIC,
     STEP_ONE_VISIBLE,
 )
-from model import diagnosis
-from model.golden_trace import load_trace
+from model.data import IGNORE_INDEX
+from model.train_step import AUX_TERMS
+from parity.diagnosis import __main__ as diagnosis
+from parity.diagnosis.ablation import GAPS
+from parity.trace import load_trace
 from tests.compare import assert_close
 
 
@@ -32,7 +35,7 @@ def test_every_candidate_changes_what_it_should(step_1):
     trace = load_trace()
     n_moe, ga = len(trace.moe_blocks), trace.config.train.ga_steps
     batch = trace.micro_batches(1, trace.config.flags)
-    d = float(np.sum(batch["labels"] != -100))
+    d = float(np.sum(batch["labels"] != IGNORE_INDEX))
     positions = float(batch["labels"][0].size)
     same_forward = ("ce",)
     expected_aux_factor = {
@@ -42,7 +45,7 @@ def test_every_candidate_changes_what_it_should(step_1):
         "lb_div_positions": d / positions,
     }
     for name, factor in expected_aux_factor.items():
-        for metric in diagnosis.AUX:
+        for metric in AUX_TERMS:
             assert_close(
                 f"{name} {metric}",
                 expected=factor - 1,
@@ -57,7 +60,7 @@ def test_every_candidate_changes_what_it_should(step_1):
     assert abs(step_1["lb_div_micro_batch"]["grad_norm"]) > STEP_ONE_VISIBLE, (
         "the LB gradient changes"
     )
-    for name in diagnosis.GAPS:
+    for name in GAPS:
         assert abs(step_1["olmo_core"][name]) <= STEP_ONE_METRIC, name
         assert abs(step_1["warmup_from_0"][name]) <= STEP_ONE_METRIC, name  # LR 0 moves nothing yet
     assert abs(step_1["lb_per_device"]["lb_loss"]) > STEP_ONE_VISIBLE

@@ -78,6 +78,7 @@ def _olmo_core_layer(golden, **flags):
         g.entry["config"]["d_model"],
         inverse=flags.get("inverse", "forward_substitution"),
         ignore_segment_ids=flags.get("ignore_segment_ids", True),
+        std=micro().model.init_std,
         rngs=nnx.Rngs(0),
     )
     load_olmo_core(layer, g.group("param."), kda_entries())

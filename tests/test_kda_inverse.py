@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from goldens.tolerances import FORMER_INVERSE_BLOWUP, KDA_INVERSE_BETA_1, KDA_INVERSE_BETA_2
-from model.kda_chunk import INVERSES, chunk_kda, invert_unit_lower, kda_chunk_system, l2_normalize
+from model.config import KDA_INVERSES
+from model.kda_chunk import chunk_kda, invert_unit_lower, kda_chunk_system, l2_normalize
+from parity.kda_systems import WEAK, WEAK_TO_STRONG, correlated_system, fp64_inverse
 from tests.compare import assert_close
-from tests.kda_keys import WEAK, WEAK_TO_STRONG, correlated_system, fp64_inverse
 
 C, K, V = 64, 128, 32
-_invert = {m: jax.jit(lambda a, m=m: invert_unit_lower(a, m)) for m in INVERSES}
+_invert = {m: jax.jit(lambda a, m=m: invert_unit_lower(a, m)) for m in KDA_INVERSES}
 
 
 seeds = st.integers(0, 2**32 - 1)
@@ -74,7 +75,7 @@ def test_all_inverses_agree_on_uncorrelated_keys():
     """Control: sigma = 3 (keys nearly independent), beta = 0.5."""
     A, _ = correlated_system(0, 3.0, (0.5, 0.5), WEAK)
     expected = fp64_inverse(A)
-    for method in INVERSES:
+    for method in KDA_INVERSES:
         assert_close(method, expected=expected, actual=_invert[method](A), tol=KDA_INVERSE_BETA_1)
 
 

@@ -48,7 +48,8 @@ def test_grouped_dispatch_matches_the_spec():
 
 def _olmo_core_moe(golden):
     g = golden("moe.safetensors")
-    moe = LatentMoE(micro().model.moe, g.entry["config"]["d_model"], rngs=nnx.Rngs(0))
+    cfg = micro().model
+    moe = LatentMoE(cfg.moe, g.entry["config"]["d_model"], std=cfg.init_std, rngs=nnx.Rngs(0))
     load_olmo_core(moe, g.group("param."), moe_entries())
     return g, moe
 

@@ -2,7 +2,7 @@
 two-block hybrid (KDA + dense, attention + EMO MoE): with `moe_global_load_balancing` every term
 and its gradient equal the whole batch's on one device; without it each device balances its own
 rows, the logged LB is device 0's scaled to the batch and the gradient is the sum of each device's
-own. And MaxText's old GA logs (`ga_reporting="micro_batch_means"`) are GA times too large."""
+own."""
 
 import dataclasses
 import functools
@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from goldens.tolerances import BITWISE, LOCAL_LB_VISIBLE, SHARDED
+from goldens.tolerances import LOCAL_LB_VISIBLE, SHARDED
 from model import config as c
 from model import train_step as ts
 from model.data import olmo_labels, shift_to_inputs_targets
 from model.objective import model_terms_fn
 from model.sharding import make_mesh
 from model.transformer import Transformer
-from tests import small_lm
 from tests.compare import assert_close
 
 DEVICES, ROWS, T = 4, 8, 64
@@ -125,43 +124,3 @@ def test_local_load_balancing_logs_device_0_and_balances_each_device(whole_batch
     assert gap > LOCAL_LB_VISIBLE, (
         f"local LB within {gap:.1e} of the global one: the batch shows nothing"
     )
-
-
-def test_old_ga_reporting_is_ga_times_too_large():
-    """Four identical micro-batches: the fixed logs equal GA = 1's, the old ones are 4 times them
-    for z-loss and both router losses (CE is right either way); the gradients do not change."""
-    params, rows = small_lm.params_and_rows(vocab=64, d_model=16, rows=2, seq_len=32, routers=3)
-    rows = {k: np.tile(v, (4, 1)) for k, v in rows.items()}
-    cfg = c.olmo_core(c.micro())
-    terms_fn = small_lm.terms_fn()
-    run = jax.jit(
-        lambda mb, how: ts.accumulate(params, mb, cfg=cfg, terms_fn=terms_fn, ga_reporting=how),
-        static_argnums=1,
-    )
-    grads, fixed = run(small_lm.micro_batches(rows, 4), "batch")
-    old_grads, old = run(small_lm.micro_batches(rows, 4), "micro_batch_means")
-    _, single = run(small_lm.micro_batches(rows, 1), "batch")
-    assert_close("fixed = GA 1", expected=single, actual=fixed, tol=SHARDED)
-    expected_old = {k: v if k == "ce" else 4 * v for k, v in single.items()}
-    assert_close("old = 4 x GA 1", expected=expected_old, actual=old, tol=SHARDED)
-    assert_close("grads", expected=grads, actual=old_grads, tol=BITWISE)
-    with pytest.raises(ValueError, match="ga_reporting must be one of"):
-        run(small_lm.micro_batches(rows, 4), "sum")
-
-
-@pytest.mark.parametrize("aux_loss_div", ["micro_batch_labels", "micro_batch_positions"])
-def test_micro_batch_aux_normalisers(whole_batch, aux_loss_div):
-    """As one micro-batch of two (the batch's D twice this one's labels), OLMo-core divides the
-    router losses by D; MaxText-style normalisers divide by the micro-batch's labels (2x the
-    losses: GA times) or positions."""
-    mb, div, (whole, _) = whole_batch
-    graphdef, params = _model()
-    batch_d = 2 * div
-    fn = model_terms_fn(graphdef, _config(True), aux_loss_div=aux_loss_div)
-    terms = jax.jit(fn)(params, mb, batch_d)
-    own = div if aux_loss_div == "micro_batch_labels" else mb["labels"].size
-    for name in ("lb_loss", "router_z_loss"):
-        assert_close(name, expected=whole[name] * div / own, actual=terms[name], tol=SHARDED)
-    assert_close("ce", expected=whole["ce"] / 2, actual=terms["ce"], tol=SHARDED)
-    with pytest.raises(ValueError, match="aux_loss_div must be one of"):
-        model_terms_fn(graphdef, _config(True), aux_loss_div="tokens")

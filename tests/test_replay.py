@@ -1,7 +1,8 @@
-"""The main job on the golden trace: `python -m model.replay --steps 5` (free-running, OLMo-core
+"""The main job on the golden trace: `python -m parity.replay --steps 5` (free-running, OLMo-core
 flags) passes, writes the record in the issue's format and the plot, and every step of it is within
 the issue's bars; OLMo-core's total aux loss is our sum over layers (MaxText's mean over them:
-tests/test_diagnosis.py); `--flags maxtext` diverges on the aux loss at step 1 and says so."""
+tests/test_diagnosis.py); `olmo-parity replay --flags maxtext` diverges on the aux loss at step 1
+and says so."""
 
 import json
 
@@ -14,8 +15,9 @@ from goldens.tolerances import (
     REPLAY_METRIC,
     STEP_ONE,
 )
-from model import replay
-from model.golden_trace import METRICS, load_trace
+from model.train_step import METRICS
+from parity import cli, replay
+from parity.trace import load_trace
 from tests.compare import assert_close
 
 STEPS = 5
@@ -60,7 +62,8 @@ def test_olmo_core_total_aux_loss_is_the_sum_over_layers(replayed):
 
 
 def test_maxtext_flags_diverge_on_the_aux_loss(tmp_path, capsys):
-    code = replay.main(["--steps", "1", "--flags", "maxtext", "--out", str(tmp_path)])
+    """Through the console script `olmo-parity replay`."""
+    code = cli.main(["replay", "--steps", "1", "--flags", "maxtext", "--out", str(tmp_path)])
     record = json.loads((tmp_path / "replay.json").read_text())
     assert code == 1 and not record["passed"]
     first = record["first_divergence"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from model import replay
-from model.golden_trace import load_trace
+from parity import replay
+from parity.trace import load_trace
 
 
 @pytest.mark.slow

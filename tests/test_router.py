@@ -56,7 +56,7 @@ def test_document_ids_match_olmo_core(golden):
 
 def _router(golden, config: MoEConfig):
     g = golden(GOLDEN)
-    router = Router(config, g["x"].shape[-1], rngs=nnx.Rngs(0))
+    router = Router(config, g["x"].shape[-1], std=micro().model.init_std, rngs=nnx.Rngs(0))
     load_olmo_core(router, g.group("param."), router_entries())
     return g, router
 
@@ -151,7 +151,7 @@ PROPERTY_MOE = MoEConfig(
     shared_expert_hidden=None,
     emo=EmoConfig(min_pool=K, max_pool=E, eval_pool=E),
 )
-PROPERTY_ROUTER = Router(PROPERTY_MOE, D, rngs=nnx.Rngs(3))
+PROPERTY_ROUTER = Router(PROPERTY_MOE, D, std=micro().model.init_std, rngs=nnx.Rngs(3))
 
 
 @jax.jit

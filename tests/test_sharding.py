@@ -8,7 +8,7 @@ from goldens.tolerances import SAME_AS_ONE_DEVICE
 from model import config as c
 from model import sharding
 from model import train_step as ts
-from tests import small_lm
+from parity import small_lm
 from tests.compare import assert_close
 
 

@@ -10,18 +10,17 @@ from goldens.tolerances import LR_SCHEDULE, TRACE_BLOCK_SUM
 from model.config import micro, olmo_core
 from model.convert import from_olmo_core, to_olmo_core
 from model.optim import lr_at
+from model.train_step import AUX_TERMS, METRICS
 from tests.compare import assert_close
-
-METRICS = ("ce", "z_loss", "lb_loss", "router_z_loss", "lr", "grad_norm", "skipped")
 
 
 def test_every_metric_at_every_step(golden):
     g = golden("trace/metrics.safetensors")
     steps = g.entry["config"]["steps"]
     moe_layers = len(micro().model.moe_layers)
-    for name in METRICS:
+    for name in (*METRICS, "skipped"):
         assert g[name].shape == (steps,) and np.isfinite(g[name]).all(), name
-    for name in ("lb_loss_per_block", "router_z_loss_per_block"):
+    for name in (f"{n}_per_block" for n in AUX_TERMS):
         assert g[name].shape == (steps, moe_layers) and np.isfinite(g[name]).all(), name
     assert_close(
         "lb_loss", expected=g["lb_loss"], actual=g["lb_loss_per_block"].sum(1), tol=TRACE_BLOCK_SUM

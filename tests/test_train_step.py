@@ -12,7 +12,7 @@ import pytest
 from goldens.tolerances import GA_INVARIANT
 from model import config as c
 from model import train_step as ts
-from tests import small_lm
+from parity import small_lm
 from tests.compare import assert_close
 
 B, T = 8, 32

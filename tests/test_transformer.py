@@ -16,7 +16,7 @@ from goldens.tolerances import DOCUMENT_ISOLATION
 from model.config import Flags
 from model.convert import from_olmo_core, to_olmo_core
 from tests.compare import assert_close, assert_formula_parity, assert_rounding_parity
-from tests.micro_olmo_core import CFG, WEIGHTS, _eval_logits, model_outputs, olmo_core_model
+from tests.micro_olmo_core import CFG, WEIGHTS, eval_logits, model_outputs, olmo_core_model
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_mixers_mask_documents_only_without_the_flag(olmo_core):
     changed[0, 1:50] = (changed[0, 1:50] + 1) % 256
     masked = from_olmo_core(to_olmo_core(model), CFG, flags=Flags())
     for m, isolated in ((masked, True), (model, False)):
-        before, after = _eval_logits(m, ids)[0, 51:], _eval_logits(m, changed)[0, 51:]
+        before, after = eval_logits(m, ids)[0, 51:], eval_logits(m, changed)[0, 51:]
         if isolated:  # rounding differs inside the chunked KDA; 8 blocks amplify it
             assert_close("later documents", expected=before, actual=after, tol=DOCUMENT_ISOLATION)
         else:

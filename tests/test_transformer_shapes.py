@@ -1,6 +1,6 @@
 """The assembled model's parameters from abstract shapes (`nnx.eval_shape`, nothing allocated):
 the micro param tree as a snapshot, the hero's counts against OLMo-core's own
-`OLMoDDPModelConfig.num_params` for the same config (goldens.olmo_core_model), and the hero's
+`OLMoDDPModelConfig.num_params` for the same config (goldens.runtime.models), and the hero's
 whole state dict (keys and shapes) against OLMo-core's model built on the meta device."""
 
 import jax
@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from syrupy.extensions.json import JSONSnapshotExtension
 
-from goldens.olmo_core_model import model_config
+from goldens.runtime.models import model_config
 from model import config as c
 from model.convert import model_entries, params_to_olmo_core
 from model.transformer import Transformer
@@ -67,7 +67,7 @@ def test_hero_state_dict_matches_olmo_core_meta_build():
     """OLMo-core builds the hero on the meta device (KDA stand-ins for FLA's imports): its state
     dict has exactly the keys and shapes our abstract model gives through the weight map, and
     its parameters sum to the hero's count."""
-    from goldens.cpu_standins import install
+    from goldens.runtime.standins import install
 
     install()
     model_cfg = c.olmo35_tiny().model

@@ -1,6 +1,7 @@
-"""OLMo-core 3.0.0's own model for any `ModelConfig`: `model_config(cfg)` is the
+"""OLMo-core 3.0.0's own model for any `ModelConfig`: the OLMo-core configs of its parts
+(`attention_config`, `kda_config`, `router_config`, `block_config`), `model_config(cfg)` the
 `OLMoDDPModelConfig` (blocks `moe_fused_v2`, peri-norm, one named block per layer), `build(cfg)`
-the `OLMoDDPModel` on this CPU (stand-ins of `goldens.cpu_standins` installed, float32 through
+the `OLMoDDPModel` on this CPU (stand-ins of `goldens.runtime.standins` installed, float32 through
 `OLMoDDPModel._training_dtype`, OLMo-core's "normal" init under `init_seed`).
 
 CPU-only runtime choices, none of which changes a parameter: attention backend "torch" (the
@@ -11,7 +12,7 @@ so they are arguments here, defaulting to the recipe's.
 
 from __future__ import annotations
 
-from model.config import AttentionConfig, KDAConfig, ModelConfig, TrainConfig
+from model.config import AttentionConfig, EmoConfig, KDAConfig, ModelConfig, MoEConfig, TrainConfig
 
 ATTENTION_BACKEND = (
     "AttentionConfig.backend = 'torch' (SDPA): the hero's flash attention needs a GPU"
@@ -80,6 +81,39 @@ def kda_config(ours: KDAConfig):
     )
 
 
+def router_config(
+    moe: MoEConfig,
+    d_model: int,
+    eos_token_id: int,
+    *,
+    lb_w: float,
+    z_w: float,
+    global_load_balancing: bool = False,
+):
+    """OLMo-core's `MoERouterConfigV2` for our `MoEConfig` (EMO on, local-batch LB loss; global
+    load balancing needs a process group, see `goldens.model`)."""
+    from olmo_core.nn.moe.emo import EmoRouterConfig
+    from olmo_core.nn.moe.v2.router import MoERouterConfigV2
+
+    emo: EmoConfig = moe.emo
+    return MoERouterConfigV2(
+        d_model=d_model,
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        normalize_expert_weights=1.0 if moe.normalize_expert_weights else None,
+        restore_weight_scale=moe.restore_weight_scale,
+        lb_loss_weight=lb_w,
+        z_loss_weight=z_w,
+        global_load_balancing=global_load_balancing,
+        emo=EmoRouterConfig(
+            eos_token_id=eos_token_id,
+            min_document_expert_pool=emo.min_pool,
+            max_document_expert_pool=emo.max_pool,
+            eval_document_expert_pool=emo.eval_pool,
+        ),
+    )
+
+
 def block_config(
     cfg: ModelConfig,
     layer_type: str,
@@ -98,8 +132,6 @@ def block_config(
     from olmo_core.nn.moe.v2.routed_experts import RoutedExpertsConfig
     from olmo_core.nn.moe.v2.shared_experts import SharedExpertsConfig
     from olmo_core.nn.transformer.config import TransformerBlockType
-
-    from goldens.router import router_config
 
     mixers = {
         "kda": lambda: kda_config(cfg.kda),
@@ -182,7 +214,7 @@ def build(cfg: ModelConfig, **config_kwargs):
     import torch
     from olmo_core.nn.ddp.model import OLMoDDPModel
 
-    from goldens.cpu_standins import install, install_moe
+    from goldens.runtime.standins import install, install_moe
 
     install()
     install_moe()

@@ -18,17 +18,14 @@ from goldens.store import load_golden, read_manifest, resolve
 from model.config import Config, Flags, micro, olmo_core
 from model.data import OlmoData
 
-METRICS = ("ce", "z_loss", "lb_loss", "router_z_loss", "lr", "grad_norm")
-"""The per-step metrics compared, in the order a divergence is looked for."""
-PER_LAYER = ("lb_loss", "router_z_loss")
-"""Metrics also recorded per MoE block ("<name>_per_block" [steps, blocks])."""
 SNAPSHOT = "trace/params_step{}.safetensors"
 
 
 @dataclass(frozen=True)
 class GoldenTrace:
     metrics: dict[str, np.ndarray]
-    """METRICS and "skipped" [steps]; "<name>_per_block" [steps, MoE blocks]; "pool_draws"
+    """`model.train_step.METRICS` and "skipped" [steps]; "<name>_per_block" of each
+    `model.train_step.AUX_TERMS` [steps, MoE blocks]; "pool_draws"
     [steps, GA, MoE layers, b, documents]."""
     perturbed: dict[str, np.ndarray]
     """The same metrics of the perturbed runs [runs, ...]; "params_rel_diff_step<s>" [runs, params]

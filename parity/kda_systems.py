@@ -1,4 +1,5 @@
-"""Correlated, trained-like KDA chunk systems, shared by the inverse tests and bench."""
+"""Correlated, trained-like KDA chunk systems and their float64 inverse: the cases the chunk inverse
+is held to by tests/test_kda_inverse.py and timed by bench/kda_inverse.py."""
 
 import jax
 import jax.numpy as jnp

@@ -1,0 +1,1 @@
+"""How OLMo-core is built and run on this CPU: its models, the CPU stand-ins, recorders, VJPs."""

@@ -1,0 +1,121 @@
+"""Running the JAX model on OLMo-core's golden trace: free-running from its step-0 weights, or
+teacher-forced from each of its saved params.
+
+Free-running: the golden step-0 weights through `model.convert.from_olmo_core`, the golden data
+order, OLMo-core's EMO draws, then only the JAX optimizer moves the params. A `Run` holds the
+config and, for `parity.diagnosis`, the MaxText variants that are not config: a wrapper of the
+model's terms and JAX's own EMO draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model import optim
+from model import train_step as ts
+from model.config import Config
+from model.convert import from_olmo_core, to_olmo_core
+from model.objective import model_terms_fn
+from model.sharding import make_mesh
+from parity.trace import GoldenTrace
+
+Metrics = dict[str, float | bool | list[float]]
+"""One step's metrics as `model.train_step.train_step` reports them, as plain floats and lists."""
+PoolDraws = Callable[[int, tuple[int, ...]], np.ndarray]
+"""(step, shape [GA, b, MoE layers, T]) -> the EMO pool draws of that step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """How the JAX side runs: `config` (OLMo-core's flags, or others), on `devices` simulated data
+    devices (the routed MoE in `shard_map` over them when > 1). `wrap_terms` replaces the
+    model's terms function by a variant of it, `draws` OLMo-core's recorded EMO draws by others
+    (both None: OLMo-core's)."""
+
+    config: Config
+    devices: int = 1
+    wrap_terms: Callable[[ts.TermsFn], ts.TermsFn] | None = None
+    draws: PoolDraws | None = None
+
+    def __post_init__(self):
+        if self.devices < 1:
+            raise ValueError(f"Run.devices must be >= 1, got {self.devices}")
+
+
+def use_devices(n: int) -> None:
+    """Simulate n CPU devices, unless JAX already runs with enough (e.g. under the tests)."""
+    if n <= 1:
+        return
+    with contextlib.suppress(RuntimeError):  # raised when the backend is up already
+        jax.config.update("jax_num_cpu_devices", n)
+    if len(jax.devices()) < n:
+        raise SystemExit(f"--devices {n}: JAX has {len(jax.devices())} devices")
+
+
+def _metrics(out: dict[str, jax.Array]) -> Metrics:
+    return {k: np.asarray(v).tolist() for k, v in out.items()}
+
+
+@functools.cache
+def _step_fn(run: Run, graphdef):
+    mesh = make_mesh(data=run.devices) if run.devices > 1 else None
+    terms = model_terms_fn(graphdef, run.config, mesh=mesh)
+    if run.wrap_terms is not None:
+        terms = run.wrap_terms(terms)
+    return jax.jit(functools.partial(ts.train_step, cfg=run.config, terms_fn=terms))
+
+
+def release_compiled() -> None:
+    """Drop every compiled train step (each holds its own LLVM code)."""
+    _step_fn.cache_clear()
+    jax.clear_caches()
+
+
+def _model(trace: GoldenTrace, run: Run, step: int):
+    return nnx.split(from_olmo_core(trace.params(step), run.config.model, flags=run.config.flags))
+
+
+def micro_batches(trace: GoldenTrace, run: Run, step: int) -> dict[str, np.ndarray]:
+    """The trace's micro-batches of `step`, with `run.draws`' EMO draws if it has them."""
+    batch = trace.micro_batches(step, run.config.flags)
+    if run.draws is not None:
+        batch["pool_draws"] = run.draws(step, batch["pool_draws"].shape)
+    return batch
+
+
+def free_running(
+    trace: GoldenTrace, run: Run, *, steps: int, on_step: Callable[[int, Metrics], None] = print
+) -> tuple[list[Metrics], dict[int, dict[str, np.ndarray]]]:
+    """Steps 1..`steps` from OLMo-core's step-0 weights. Returns each step's metrics and our
+    params (as an OLMo-core state dict) at the trace's saved steps."""
+    graphdef, params = _model(trace, run, 0)
+    step_fn = _step_fn(run, graphdef)
+    state = ts.init_state(params, run.config)
+    rows, saved = [], {}
+    for step in range(1, steps + 1):
+        state, out = step_fn(state, micro_batches(trace, run, step))
+        rows.append(_metrics(out))
+        if step in trace.snapshot_steps:
+            saved[step] = to_olmo_core(nnx.merge(graphdef, state.params))
+        on_step(step, rows[-1])
+    return rows, saved
+
+
+def teacher_forced(trace: GoldenTrace, run: Run, *, steps: int) -> list[tuple[int, Metrics]]:
+    """For each saved step s < `steps`: step s + 1 computed from OLMo-core's params at s (LR at
+    step s + 1; the metrics are those before the update). Returns [(s + 1, metrics)]."""
+    out = []
+    for start in (s for s in trace.snapshot_steps if s < steps):
+        graphdef, params = _model(trace, run, start)
+        state = ts.TrainState(params, optim.init(params, run.config), jnp.asarray(start, jnp.int32))
+        _, metrics = _step_fn(run, graphdef)(state, micro_batches(trace, run, start + 1))
+        out.append((start + 1, _metrics(metrics)))
+    return out
