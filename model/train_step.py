@@ -70,7 +70,8 @@ def _weighted(terms: dict[str, jax.Array], cfg: Config) -> tuple[dict, dict]:
 
 
 def loss_div_factor(micro_batches: dict[str, jax.Array]) -> jax.Array:
-    """D: labels not ignored in the whole global batch ("labels" [GA, b, T])."""
+    """D: labels not ignored in `micro_batches["labels"]`, of any shape: the whole global batch's
+    [GA, b, T] (OLMo-core's D), or one micro-batch's [b, T]."""
     return jnp.sum(micro_batches["labels"] != IGNORE_INDEX).astype(jnp.float32)
 
 
