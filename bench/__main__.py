@@ -28,11 +28,16 @@ def main() -> None:
         help=f"any of {', '.join(BENCHES)} (default: all)",
     )
     names = parser.parse_args().names or list(BENCHES)
-    table = Table("bench", "figure", "value")
+    table, closing = Table("bench", "figure", "value"), []
     for name in names:
-        for figure, value in importlib.import_module(BENCHES[name]).run().items():
+        bench = importlib.import_module(BENCHES[name])
+        figures = bench.run()
+        for figure, value in figures.items():
             table.add_row(name, figure, f"{value:.3g}")
+        if hasattr(bench, "summary"):
+            closing += bench.summary(figures)
     Console().print(table)
+    print("\n".join(closing))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ Chunked (C tokens a chunk, G = cumsum of g inside it, Gamma_i = exp(G_i)):
     T = (I + A)^-1 diag(beta);   w = T (Gamma * k);   u = T v;   v'_i = u_i - w_i S_0
     o_i = (q_i * Gamma_i) S_0 + sum_{j <= i} q_i^T diag(exp(G_i - G_j)) k_j v'_j
     S_C = diag(Gamma_C) S_0 + sum_j (exp(G_C - G_j) * k_j) v'_j^T
-Every exponent is a difference G_i - G_j <= 0 taken only where i >= j: the mask is applied before
-`exp`, so neither the value nor the gradient sees exp of a positive number.
+Every exponent G_i - G_j (i >= j) is computed as a sum of the gates between j and i, never as a
+difference of cumulative sums, and never exp of a positive number (`intra_chunk_scores`); (I + A)^-1
+is forward substitution with the inverse's own gradient (`kda_chunk_inverse`).
 
 Segment ids (optional, [B, T]) restart the state at each new segment, as running each document
 alone; OLMo-core's hero passes none (the whole instance is one sequence).
@@ -31,8 +32,9 @@ from model.precision import full_precision, upcast
 
 L2_NORM_EPS = 1e-6
 """FLA's `l2norm` eps, added to the sum of squares (not to the norm)."""
-SUB_BLOCK = 16
-"""Forward substitution works in SUB_BLOCK x SUB_BLOCK diagonal blocks, then merges them."""
+SUB_CHUNK = 16
+"""Intra-chunk scores decay per pair inside SUB_CHUNK x SUB_CHUNK diagonal blocks and factor into
+matmuls across them (`intra_chunk_scores`), as FLA's chunk kernels split a chunk."""
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -60,7 +62,7 @@ def kda_beta(logits: jax.Array, *, allow_neg_eigval: bool) -> jax.Array:
 # --- the inverse of the chunk system ---------------------------------------------------------
 
 
-def _forward_substitution(a: jax.Array) -> jax.Array:
+def _substitute_rows(a: jax.Array) -> jax.Array:
     """(I + a)^-1 for strictly lower a [..., n, n], row by row: X_i = e_i - sum_{j<i} a_ij X_j.
 
     A loop, not unrolled (one row's ops to compile). Row i sums over every j: the rows j >= i of X
@@ -77,28 +79,26 @@ def _forward_substitution(a: jax.Array) -> jax.Array:
     return lax.fori_loop(1, n, substitute, jnp.zeros_like(a) + eye)
 
 
-def _blocked_forward_substitution(a: jax.Array) -> jax.Array:
-    """(I + a)^-1: invert the SUB_BLOCK diagonal blocks, then fill block rows below them,
-    X_ij = -X_ii sum_{j <= m < i} a_im X_mj (FLA's `solve_tril` merges blocks the same way)."""
-    C = a.shape[-1]
-    n = -(-C // SUB_BLOCK)
-    pad = n * SUB_BLOCK - C
-    if pad:  # zero rows and columns extend (I + a) by an identity block
-        a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, pad), (0, pad)])
-    # shape: [..., n*S, n*S] -> [..., n, S, n, S]
-    blocks = a.reshape(*a.shape[:-2], n, SUB_BLOCK, n, SUB_BLOCK)
-    diagonal = jnp.stack([blocks[..., b, :, b, :] for b in range(n)], axis=-3)  # [..., n, S, S]
-    diag_inv = list(jnp.moveaxis(_forward_substitution(diagonal), -3, 0))
-    x = [[None] * n for _ in range(n)]
-    for i in range(n):
-        x[i][i] = diag_inv[i]
-        for j in range(i - 1, -1, -1):
-            acc = sum(blocks[..., i, :, m, :] @ x[m][j] for m in range(j, i))
-            x[i][j] = -diag_inv[i] @ acc
-    zeros = jnp.zeros_like(diag_inv[0])
-    rows = [jnp.concatenate([x[i][j] if j <= i else zeros for j in range(n)], -1) for i in range(n)]
-    full = jnp.concatenate(rows, -2)
-    return full[..., :C, :C]
+@jax.custom_vjp
+def kda_chunk_inverse(a: jax.Array) -> jax.Array:
+    """X = (I + a)^-1 for strictly lower a [..., C, C], by forward substitution (`_substitute_rows`;
+    FLA's `solve_tril` in one block). Its gradient is the inverse's, dA = -X^T dX X^T on the
+    strictly lower entries: three matmuls, no loop to differentiate or save."""
+    return _substitute_rows(a)
+
+
+def _inverse_forward(a):
+    x = _substitute_rows(a)
+    return x, x
+
+
+def _inverse_backward(x, dx):
+    C = x.shape[-1]
+    x_t = jnp.swapaxes(x, -1, -2)
+    return (jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), -(x_t @ dx @ x_t), 0.0),)
+
+
+kda_chunk_inverse.defvjp(_inverse_forward, _inverse_backward)
 
 
 def _newton_schulz(a: jax.Array) -> jax.Array:
@@ -127,7 +127,7 @@ def _power_series(a: jax.Array) -> jax.Array:
 def invert_unit_lower(a: jax.Array, method: str = "forward_substitution") -> jax.Array:
     """(I + a)^-1 for strictly lower a [..., C, C]; `method` in KDA_INVERSES (Flags.kda_inverse)."""
     if method == "forward_substitution":
-        return _blocked_forward_substitution(a)
+        return kda_chunk_inverse(a)
     if method == "newton_schulz":
         return _newton_schulz(a)
     if method == "power_series":
@@ -176,17 +176,51 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 # --- chunked form ----------------------------------------------------------------------------
 
 
-def segment_decay(g: jax.Array, keep: jax.Array) -> jax.Array:
-    """exp(sum_{j < t <= i} g_t) [..., C, C, K] for g [..., C, K] where keep [..., C, C] (i >= j),
-    else 0; masked before exp.
+def span_sums(g: jax.Array) -> jax.Array:
+    """sum_{j < t <= i} g_t [..., S, S, K] for g [..., S, K]: each pair's exponent summed over the
+    pair's own tokens (0 where i <= j). As a difference of cumulative sums, G_i - G_j, a near
+    pair late in a fast-decaying chunk (G ~ -300) would carry the rounding of those large sums
+    (~300 ulp), which float32 gate gradients inherit."""
+    S = g.shape[-2]
+    after_j = jnp.tril(jnp.ones((S, S), bool), -1)  # [t, j]: t > j
+    return jnp.cumsum(jnp.where(after_j[..., None], g[..., :, None, :], 0.0), axis=-3)
 
-    Each pair's exponent is summed over the pair's own tokens. As a difference of the chunk's
-    cumulative sums, G_i - G_j, a near pair late in a fast-decaying chunk (G ~ -300) would carry
-    the rounding of those large sums (~300 ulp), which float32 gate gradients inherit."""
-    C = g.shape[-2]
-    after_j = jnp.tril(jnp.ones((C, C), bool), -1)  # [t, j]: t > j
-    exponent = jnp.cumsum(jnp.where(after_j[..., None], g[..., :, None, :], 0.0), axis=-3)
-    return jnp.where(keep[..., None], jnp.exp(jnp.where(keep[..., None], exponent, 0.0)), 0.0)
+
+def _suffix_sums(g: jax.Array) -> jax.Array:
+    """sum_{j < t} g_t [..., S, K] over the rest of the block, for g [..., S, K]."""
+    inclusive = lax.cumsum(g, axis=g.ndim - 2, reverse=True)
+    return jnp.concatenate([inclusive[..., 1:, :], jnp.zeros_like(g[..., :1, :])], axis=-2)
+
+
+def intra_chunk_scores(x: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
+    """sum_c x_ic k_jc exp(sum_{j < t <= i} g_tc) [..., C, C] for i >= j, 0 above the diagonal;
+    x, k, g [..., C, K].
+
+    Every exponent is a sum of the pair's own gates (never exp of a positive number). Within a
+    SUB_CHUNK diagonal block, per pair (`span_sums`, [C, SUB_CHUNK, K]). Across blocks a > b the
+    span splits at the start of block a into two factors <= 1, so the scores are matmuls:
+        exp(sum_{start_a <= t <= i} g_t) x_i  .  exp(sum_{j < t < start_a} g_t) k_j
+    where the second exponent is j's rest of block b plus the whole blocks between b and a."""
+    *lead, C, K = g.shape
+    S = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    n = C // S
+    # one leading axis: XLA's CPU library fusions (jaxlib 0.10.2) crash on the backward of these
+    # einsums when several leading axes include one of size 1
+    xs, ks, gs = (a.reshape(-1, n, S, K) for a in (x, k, g))  # [M, n, S, K]
+    lower = jnp.tril(jnp.ones((S, S), bool))
+    decay = jnp.where(lower[..., None], jnp.exp(span_sums(gs)), 0.0)  # [..., n, S, S, K]
+    inside = jnp.einsum("...ijk,...ik,...jk->...ij", decay, xs, ks)  # [..., n, S, S]
+    head = jnp.cumsum(gs, axis=-2)  # block a's start to i
+    # the whole blocks strictly between b and a, [..., n(a), n(b), K]: span sums of the block
+    # totals, moved down one block
+    between = span_sums(head[..., -1, :])
+    between = jnp.concatenate([jnp.zeros_like(between[..., :1, :, :]), between[..., :-1, :, :]], -3)
+    before = jnp.tril(jnp.ones((n, n), bool), -1)[:, :, None, None]  # b < a
+    far = _suffix_sums(gs)[..., None, :, :, :] + between[..., :, :, None, :]  # [..., n, n, S, K]
+    k_far = jnp.where(before, ks[..., None, :, :, :] * jnp.exp(jnp.where(before, far, 0.0)), 0.0)
+    across = jnp.einsum("...aik,...abjk->...aibj", xs * jnp.exp(head), k_far)  # [M, n, S, n, S]
+    scores = across + inside[..., :, :, None, :] * jnp.eye(n, dtype=inside.dtype)[:, None, :, None]
+    return scores.reshape(*lead, C, C)
 
 
 def _chunked(x: jax.Array, C: int) -> jax.Array:
@@ -196,24 +230,23 @@ def _chunked(x: jax.Array, C: int) -> jax.Array:
     return jnp.moveaxis(x, 3, 1)
 
 
-def chunk_system(k, decay, beta) -> jax.Array:
-    """A_ij = beta_i sum_c k_ic k_jc decay_ijc for i > j (decay is 0 across segments), else 0.
+def chunk_system(k, g, beta, same=None) -> jax.Array:
+    """A_ij = beta_i sum_c k_ic k_jc exp(sum_{j < t <= i} g_tc) for i > j in one segment, else 0.
 
-    k [..., C, K]; decay [..., C, C, K] `segment_decay` of the chunk (0 across segments); beta
-    [..., C].
+    k, g [..., C, K] (one chunk); beta [..., C]; same [..., C, C] (None: one segment).
     """
     C = k.shape[-2]
-    strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
-    A = jnp.einsum("...ijk,...ik,...jk->...ij", decay, k, k)
-    return beta[..., None] * jnp.where(strictly_lower, A, 0.0)
+    keep = jnp.tril(jnp.ones((C, C), bool), -1)
+    if same is not None:
+        keep = keep & same
+    return beta[..., None] * jnp.where(keep, intra_chunk_scores(k, k, g), 0.0)
 
 
 def kda_chunk_system(k, g, beta, *, chunk_size: int = 64) -> jax.Array:
     """The chunk systems A [B, H, N, C, C] of k [B, T, H, K], g [B, T, H, K], beta [B, T, H]
     (T a multiple of chunk_size), laid out as in FLA's `naive_chunk_kda`."""
     k, g, beta = (_chunked(upcast(x), chunk_size) for x in (k, g, beta))
-    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
-    return chunk_system(k, segment_decay(g, lower), beta)
+    return chunk_system(k, g, beta)
 
 
 def chunk_kda(
@@ -251,18 +284,17 @@ def chunk_kda(
     G = jnp.cumsum(g, axis=-2)  # decay since the chunk start
     same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
     carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
-    lower = jnp.tril(jnp.ones((C, C), bool)) & same
-    decay = segment_decay(g, lower)  # [B, H, N, C, C, K]
-    A = chunk_system(k, decay, beta)
+    A = chunk_system(k, g, beta, same)
     T_beta = invert_unit_lower(A, inverse) * beta[..., None, :]  # (I + A)^-1 diag(beta)
     gamma = jnp.where(
         carry[..., None], jnp.exp(G), 0.0
     )  # decay since the chunk start, 0 if restarted
     w = T_beta @ (gamma * k)  # [B, H, N, C, K]
     u = T_beta @ v  # [B, H, N, C, V]
-    A_qk = jnp.einsum("...ijk,...ik,...jk->...ij", decay, q, k)
+    A_qk = jnp.where(jnp.tril(same), intra_chunk_scores(q, k, g), 0.0)
     # Decay from token j to the chunk end, for the tokens of the chunk's last segment.
-    k_tail = decay[..., -1, :, :] * k
+    in_last = seg == seg[..., -1:]  # [B, H, N, C]
+    k_tail = jnp.where(in_last[..., None], jnp.exp(_suffix_sums(g)) * k, 0.0)
     gamma_end = jnp.where(carry[..., -1:], jnp.exp(G[..., -1, :]), 0.0)  # [B, H, N, K]
 
     def step(S, x):  # S [B, H, K, V]; one chunk of every input

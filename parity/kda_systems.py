@@ -2,10 +2,9 @@
 is held to by tests/test_kda_inverse.py and timed by bench/kda_inverse.py."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from model.kda_chunk import chunk_system, l2_normalize, segment_decay
+from model.kda_chunk import chunk_system, l2_normalize
 
 WEAK_TO_STRONG = (np.log(1e-4), np.log(20.0))
 """Per-token log-decay magnitudes from trained-like weak gates to past exp underflow."""
@@ -16,8 +15,7 @@ WEAK = (np.log(1e-4), np.log(1e-2))
 @jax.jit
 def _system(u, xi, sigma, beta, decay):
     k = l2_normalize(u[:, None, :] + sigma * xi)  # [N, C, K]
-    C = k.shape[-2]
-    return chunk_system(k, segment_decay(-decay, jnp.tril(jnp.ones((C, C), bool))), beta)
+    return chunk_system(k, -decay, beta)
 
 
 def correlated_system(seed, sigma, beta_range, log_decay_range, *, N=4, C=64, K=128):

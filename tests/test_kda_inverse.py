@@ -15,9 +15,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from goldens.tolerances import FORMER_INVERSE_BLOWUP, KDA_INVERSE_BETA_1, KDA_INVERSE_BETA_2
+from goldens.tolerances import (
+    FORMER_INVERSE_BLOWUP,
+    KDA_INVERSE_BETA_1,
+    KDA_INVERSE_BETA_2,
+    KDA_INVERSE_GRADIENT,
+)
 from model.config import KDA_INVERSES
-from model.kda_chunk import chunk_kda, invert_unit_lower, kda_chunk_system, l2_normalize
+from model.kda_chunk import (
+    chunk_kda,
+    invert_unit_lower,
+    kda_chunk_inverse,
+    kda_chunk_system,
+    l2_normalize,
+)
 from parity.kda_systems import WEAK, WEAK_TO_STRONG, correlated_system, fp64_inverse
 from tests.compare import assert_close
 
@@ -69,6 +80,33 @@ def test_former_inverses_fail_on_correlated_keys(method, seed, sigma, band):
     A, _ = correlated_system(seed, sigma, band[0], WEAK)
     T = np.asarray(_invert[method](A))
     assert not np.isfinite(T).all() or np.max(np.abs(T - fp64_inverse(A))) > FORMER_INVERSE_BLOWUP
+
+
+@jax.jit
+def _inverse_gradient(A, W):
+    return jax.grad(lambda a: jnp.sum(kda_chunk_inverse(a) * W))(A)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("beta_range", [(0.9, 1.1), (1.9, 2.0)])
+def test_inverse_gradient_matches_float64_differences(seed, beta_range):
+    """The custom VJP against central differences of sum(W * (I + A)^-1) in float64, on 40
+    strictly lower entries; the entries on and above the diagonal get no gradient."""
+    A, _ = correlated_system(seed, 0.1, beta_range, WEAK_TO_STRONG)
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal(A.shape)
+    ours = np.asarray(_inverse_gradient(A, W.astype(np.float32)))
+    assert not ours[..., np.triu(np.ones((C, C), bool))].any()
+    loss = lambda a: np.sum(W * fp64_inverse(a))  # noqa: E731
+    h, A64, errors, largest = 1e-6, A.astype(np.float64), [], 0.0
+    for _ in range(40):
+        n, i = rng.integers(A.shape[0]), rng.integers(1, C)
+        step = np.zeros(A.shape)
+        step[n, i, rng.integers(0, i)] = h
+        exact = (loss(A64 + step) - loss(A64 - step)) / (2 * h)
+        errors.append(abs(ours[step != 0][0] - exact))
+        largest = max(largest, abs(exact))
+    assert max(errors) <= KDA_INVERSE_GRADIENT * largest, (max(errors), largest)
 
 
 def test_all_inverses_agree_on_uncorrelated_keys():
