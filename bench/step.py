@@ -20,17 +20,21 @@ Model FLOPs of a step (`model_flops`), tokens = global batch x seq_len, fwd + bw
       [K, V] read by w and q and updated once.
 Peak: a jitted 2048 x 2048 float32 matmul (2 n^3 FLOPs), best of several.
 
-Where the time goes (each part's forward + backward jitted alone on one micro-batch of 4 x 256
-tokens, this 2-core AMD EPYC; a step is 2 micro-batches of 7 KDA blocks, 7 MoE and one each of
-attention, dense and LM head, and the parts add up to the whole step within its noise):
-- KDA mixer 55-63 ms a block (142-149 ms before issue #18). Its chunked kernel is 38 ms of it:
-  the per-pair decay tensor [C, C, K] took 80% of the kernel when it spanned whole chunks; now
-  only 16 x 16 diagonal blocks decay per pair and the rest are matmuls (`intra_chunk_scores`).
-  The chunk inverse is 1.3 ms with its matrix gradient (3.6 ms when autodiff ran the loop back).
-- MoE feed-forward 52-54 ms a block (router with EMO pools, argsort dispatch, two `ragged_dot`
-  grouped matmuls, shared expert): now as large as KDA, the next to cut.
-- Attention 13 ms, dense SwiGLU 16 ms, LM head (loss included) 4 ms; the GA scan and AdamW are
-  small beside these.
+Where the time goes (XLA's per-kernel trace of the step, `--xla_cpu_enable_xprof_traceme`, and
+each part's forward + backward jitted alone on one micro-batch of 4 x 256 tokens; this 2-core AMD
+EPYC, one device: the CPU split into 8 simulated devices slows the step by a quarter). A step is
+2 micro-batches of 7 KDA blocks, 7 MoE and one each of attention, dense and LM head; it took
+0.70 s with `ragged_dot`, XLA's cumsums and argsorts and 16 x 16 decay blocks, 0.41 s now:
+- KDA mixer 25 ms a block (30 ms before), its chunked kernel 9 ms of it. Only 8 x 8 diagonal
+  blocks decay per pair, the rest are matmuls (`intra_chunk_scores`); XLA's CPU runs a cumsum as
+  a reduce-window (86 ms a step in all), so prefix and span sums are triangle matmuls. The chunk
+  inverse is 0.9 ms with its matrix gradient. Left: the per-pair scores, the projections and
+  short convolutions, and transposes between the einsums' layouts.
+- MoE feed-forward 4.5 ms a block (28 ms before): XLA's CPU runs `ragged_dot` as E masked dense
+  matmuls (23 ms of the 28), so the CPU dispatch is `tiled_routed_experts` (2.4 ms); the EMO pool
+  ranks took two argsorts a layer (26 ms a step), now pairwise comparisons.
+- Attention 6.7 ms, dense SwiGLU 7.5 ms, LM head (loss included) 1.9 ms; the GA scan and AdamW
+  are small beside these.
 """
 
 import os

@@ -32,9 +32,10 @@ from model.precision import full_precision, upcast
 
 L2_NORM_EPS = 1e-6
 """FLA's `l2norm` eps, added to the sum of squares (not to the norm)."""
-SUB_CHUNK = 16
+SUB_CHUNK = 8
 """Intra-chunk scores decay per pair inside SUB_CHUNK x SUB_CHUNK diagonal blocks and factor into
-matmuls across them (`intra_chunk_scores`), as FLA's chunk kernels split a chunk."""
+matmuls across them (`intra_chunk_scores`), as FLA's chunk kernels split a chunk (into 16s).
+The per-pair part grows as C S K, the across part as C^2 K / S: 8 balances them when C = 64."""
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -176,20 +177,27 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 # --- chunked form ----------------------------------------------------------------------------
 
 
+def prefix_sums(g: jax.Array) -> jax.Array:
+    """sum_{t <= i} g_t [..., S, K] for g [..., S, K]: a cumsum, as the sums below a matmul with a
+    triangle of ones (XLA's CPU runs a cumsum as a reduce-window, several times slower)."""
+    S = g.shape[-2]
+    return jnp.einsum("it,...tk->...ik", jnp.tril(jnp.ones((S, S), g.dtype)), g)
+
+
 def span_sums(g: jax.Array) -> jax.Array:
     """sum_{j < t <= i} g_t [..., S, S, K] for g [..., S, K]: each pair's exponent summed over the
     pair's own tokens (0 where i <= j). As a difference of cumulative sums, G_i - G_j, a near
     pair late in a fast-decaying chunk (G ~ -300) would carry the rounding of those large sums
     (~300 ulp), which float32 gate gradients inherit."""
-    S = g.shape[-2]
-    after_j = jnp.tril(jnp.ones((S, S), bool), -1)  # [t, j]: t > j
-    return jnp.cumsum(jnp.where(after_j[..., None], g[..., :, None, :], 0.0), axis=-3)
+    t = jnp.arange(g.shape[-2])
+    inside = (t[None, :, None] < t) & (t <= t[:, None, None])  # [i, j, t]: j < t <= i
+    return jnp.einsum("ijt,...tk->...ijk", inside.astype(g.dtype), g)
 
 
 def _suffix_sums(g: jax.Array) -> jax.Array:
     """sum_{j < t} g_t [..., S, K] over the rest of the block, for g [..., S, K]."""
-    inclusive = lax.cumsum(g, axis=g.ndim - 2, reverse=True)
-    return jnp.concatenate([inclusive[..., 1:, :], jnp.zeros_like(g[..., :1, :])], axis=-2)
+    S = g.shape[-2]
+    return jnp.einsum("jt,...tk->...jk", jnp.triu(jnp.ones((S, S), g.dtype), 1), g)
 
 
 def intra_chunk_scores(x: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
@@ -210,7 +218,7 @@ def intra_chunk_scores(x: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
     lower = jnp.tril(jnp.ones((S, S), bool))
     decay = jnp.where(lower[..., None], jnp.exp(span_sums(gs)), 0.0)  # [..., n, S, S, K]
     inside = jnp.einsum("...ijk,...ik,...jk->...ij", decay, xs, ks)  # [..., n, S, S]
-    head = jnp.cumsum(gs, axis=-2)  # block a's start to i
+    head = prefix_sums(gs)  # block a's start to i
     # the whole blocks strictly between b and a, [..., n(a), n(b), K]: span sums of the block
     # totals, moved down one block
     between = span_sums(head[..., -1, :])
@@ -281,7 +289,7 @@ def chunk_kda(
     # The segment of the token before each chunk, whose state S_0 the chunk starts from.
     seg_prev = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)  # [B, H, N]
 
-    G = jnp.cumsum(g, axis=-2)  # decay since the chunk start
+    G = prefix_sums(g)  # decay since the chunk start
     same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
     carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
     A = chunk_system(k, g, beta, same)

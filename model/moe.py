@@ -7,8 +7,11 @@ nn/moe/v2/{routed_experts,shared_experts,no_ep}.py, 3.0.0):
     SwiGLU_e(z) = (up * silu(gate)) @ w_down[e],  [up | gate] = z @ w_up_gate[e]^T
 
 Dropless: every token reaches all its k experts. `routed_experts` sorts the token slots by expert
-and runs grouped matmuls (`jax.lax.ragged_dot`, OLMo-core's grouped GEMM); `naive_routed_experts`,
-every expert on every token, is its spec. The per-layer router losses are returned unweighted.
+and runs grouped matmuls (`jax.lax.ragged_dot`, OLMo-core's grouped GEMM); XLA's CPU runs a
+`ragged_dot` as E masked dense matmuls, so on CPU `tiled_routed_experts` pads each expert's slots
+to whole tiles of `TILE_ROWS` and runs one batched matmul over the tiles (`dispatch_for_backend`).
+`naive_routed_experts`, every expert on every token, is the spec of both. The per-layer router
+losses are returned unweighted.
 Weights keep OLMo-core's layouts: routed w_up_gate [E, 2H, L], w_down [E, H, L]; shared w_up_gate
 [D, 2H], w_down [1, H, D]; the latent projections are linear kernels [in, out]. The shared expert
 alone is also the dense feed-forward of block 0 (OLMo-core builds it as a shared-experts block).
@@ -27,6 +30,9 @@ from model.config import MoEConfig
 from model.init import linear, trunc_normal
 from model.precision import full_precision
 from model.router import Router, Routing
+
+TILE_ROWS = 64
+"""Rows of a tile of `tiled_routed_experts`: one expert's token slots, zero-padded."""
 
 
 def swiglu(up_gate: jax.Array) -> jax.Array:
@@ -65,6 +71,48 @@ def routed_experts(
     return jnp.sum(weights[..., None] * slots, axis=1)
 
 
+def expert_tiles(indices: jax.Array, num_experts: int, tile: int) -> tuple[jax.Array, jax.Array]:
+    """Each expert's token slots padded to whole tiles of `tile` rows: (row [N*k] of each slot s =
+    token s // k in the padded layout, an expert's slots in token order; expert [n_tiles] of each
+    tile). n_tiles = ceil(N*k / tile) + E bounds the padding; the spare tiles hold no slot."""
+    flat = indices.reshape(-1)  # shape: [N*k]
+    one_hot = (flat[:, None] == jnp.arange(num_experts)).astype(jnp.int32)  # shape: [N*k, E]
+    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), flat[:, None], axis=1)[:, 0] - 1
+    padded = -(-jnp.sum(one_hot, axis=0) // tile) * tile  # shape: [E]
+    ends = jnp.cumsum(padded)
+    n_tiles = -(-flat.size // tile) + num_experts
+    first_rows = jnp.arange(n_tiles) * tile
+    tile_expert = jnp.minimum(jnp.searchsorted(ends, first_rows, side="right"), num_experts - 1)
+    return ends[flat] - padded[flat] + rank, tile_expert
+
+
+def tiled_routed_experts(
+    z: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    w_up_gate: jax.Array,
+    w_down: jax.Array,
+    *,
+    tile: int = TILE_ROWS,
+) -> jax.Array:
+    """Tiled dispatch, same arguments and result as `naive_routed_experts`: slots scattered into
+    whole tiles of one expert (`expert_tiles`), a batched matmul over tiles with each tile's
+    expert weights, slots gathered back and summed over k."""
+    N, k = indices.shape
+    rows, tile_expert = expert_tiles(indices, w_up_gate.shape[0], tile)
+    n_tiles = tile_expert.shape[0]
+    x = jnp.zeros((n_tiles * tile, z.shape[1]), z.dtype).at[rows].set(jnp.repeat(z, k, axis=0))
+    x = x.reshape(n_tiles, tile, -1)
+    h = swiglu(jnp.einsum("mtl,mhl->mth", x, w_up_gate[tile_expert]))
+    out = jnp.einsum("mth,mhl->mtl", h, w_down[tile_expert]).reshape(n_tiles * tile, -1)
+    return jnp.sum(weights[..., None] * out[rows].reshape(N, k, -1), axis=1)
+
+
+def dispatch_for_backend():
+    """`tiled_routed_experts` on CPU, `routed_experts` (ragged_dot) on TPU and GPU."""
+    return tiled_routed_experts if jax.default_backend() == "cpu" else routed_experts
+
+
 class RoutedExperts(nnx.Module):
     """E SwiGLU experts of hidden H on width L; `__call__(z [B, T, L], routing)` -> [B, T, L].
     Computes in `dtype` (the compute dtype), params in `full_precision(dtype)`."""
@@ -87,7 +135,7 @@ class RoutedExperts(nnx.Module):
     def __call__(self, z: jax.Array, routing: Routing) -> jax.Array:
         B, T, L = z.shape
         k = routing.indices.shape[-1]
-        y = routed_experts(
+        y = dispatch_for_backend()(
             z.reshape(B * T, L).astype(self.dtype),
             routing.indices.reshape(B * T, k),
             routing.weights.reshape(B * T, k).astype(self.dtype),

@@ -75,9 +75,13 @@ def document_scores(probs: jax.Array, document_ids: jax.Array) -> jax.Array:
 
 def pool_keep_mask(scores: jax.Array, pools: jax.Array) -> jax.Array:
     """scores [B, T, E], pools [B, T] -> bool [B, T, E]: expert ranks (by decreasing score, lower
-    index first on ties) below the token's pool (OLMo-core's `pool_keep_mask`)."""
-    order = jnp.argsort(scores, axis=-1, descending=True, stable=True)
-    ranks = jnp.argsort(order, axis=-1, stable=True)
+    index first on ties) below the token's pool (OLMo-core's `pool_keep_mask`). An expert's rank
+    counts the experts ahead of it, compared pairwise: the ranks a stable descending argsort
+    gives, without the two sorts XLA's CPU is slow at."""
+    e = jnp.arange(scores.shape[-1])
+    other, this = scores[..., None, :], scores[..., :, None]  # [B, T, E(this), E(other)]
+    ahead = (other > this) | ((other == this) & (e < e[:, None]))
+    ranks = jnp.sum(ahead, axis=-1)
     return ranks < pools[..., None]
 
 

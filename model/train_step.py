@@ -96,16 +96,15 @@ def accumulate(
     def body(acc, mb):
         p = lax.optimization_barrier(params) if cfg.flags.ga_params_loop_barrier else params
         (_, terms), grads = jax.value_and_grad(objective, has_aux=True)(p, mb)
-        acc = jax.tree.map(jnp.add, acc, (grads, terms))
+        acc = jax.tree.map(jnp.add, acc, grads)
         if grad_sharding is not None:
-            acc = (lax.with_sharding_constraint(acc[0], grad_sharding), acc[1])
-        return acc, None
+            acc = lax.with_sharding_constraint(acc, grad_sharding)
+        return acc, terms
 
-    first = jax.tree.map(lambda x: x[0], micro_batches)
-    shapes = jax.eval_shape(lambda: jax.grad(objective, has_aux=True)(params, first))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # (grads, terms)
-    (grads, terms), _ = lax.scan(body, zeros, micro_batches)
-    return grads, terms
+    # The terms leave the loop stacked [GA, ...] and are summed after it: a zero carry for them
+    # would need their shapes, one more trace of the whole objective.
+    grads, terms = lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro_batches)
+    return grads, jax.tree.map(lambda t: jnp.sum(t, axis=0), terms)
 
 
 def train_step(

@@ -1,24 +1,31 @@
 """The latent MoE with a shared expert against OLMo-core's v2 MoE in an `OLMoDDPTransformerBlock`
 (goldens/moe*.safetensors): output, expert counts, LB and z-losses and every gradient in training
-with OLMo-core's recorded pool draws, output in evaluation; the grouped dispatch equals its spec."""
+with OLMo-core's recorded pool draws, output in evaluation; both dispatches equal their spec."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, MOE_FORWARD
 from model.config import micro
 from model.convert import load_olmo_core, moe_entries, params_to_olmo_core
-from model.moe import LatentMoE, naive_routed_experts, routed_experts
+from model.moe import LatentMoE, naive_routed_experts, routed_experts, tiled_routed_experts
 from tests.compare import assert_close
 
 
-def test_grouped_dispatch_matches_the_spec():
-    """Sorted grouped matmuls give every expert on every token, values and gradients, with an
-    expert that gets no token and tokens whose two experts are far apart in the order."""
+@pytest.mark.parametrize(
+    "dispatch",
+    [routed_experts, functools.partial(tiled_routed_experts, tile=4)],
+    ids=["ragged_dot", "tiles"],
+)
+def test_grouped_dispatch_matches_the_spec(dispatch):
+    """Both dispatches give every expert on every token, values and gradients, with an expert
+    that gets no token, tokens whose two experts are far apart in the order and (tiles of 4 rows)
+    part-filled and spare tiles."""
     N, L, H, E, k = 48, 8, 12, 6, 2
     rng = np.random.default_rng(0)
     indices = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(N)])  # E-1: unused
@@ -41,7 +48,7 @@ def test_grouped_dispatch_matches_the_spec():
         )
 
     (_, spec), spec_grads = value_and_grads(naive_routed_experts, *args)
-    (_, out), grads = value_and_grads(routed_experts, *args)
+    (_, out), grads = value_and_grads(dispatch, *args)
     assert_close("out", expected=spec, actual=out, tol=FP32_FORWARD)
     assert_close("grads", expected=spec_grads, actual=grads, tol=FP32_GRAD)
 
