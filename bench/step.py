@@ -25,11 +25,13 @@ each part's forward + backward jitted alone on one micro-batch of 4 x 256 tokens
 EPYC, one device: the CPU split into 8 simulated devices slows the step by a quarter). A step is
 2 micro-batches of 7 KDA blocks, 7 MoE and one each of attention, dense and LM head; it took
 0.70 s with `ragged_dot`, XLA's cumsums and argsorts and 16 x 16 decay blocks, 0.41 s now:
-- KDA mixer 25 ms a block (30 ms before), its chunked kernel 9 ms of it. Only 8 x 8 diagonal
+- KDA mixer 22 ms a block (30 ms before), its chunked kernel 9 ms of it. Only 8 x 8 diagonal
   blocks decay per pair, the rest are matmuls (`intra_chunk_scores`); XLA's CPU runs a cumsum as
   a reduce-window (86 ms a step in all), so prefix and span sums are triangle matmuls. The chunk
-  inverse is 0.9 ms with its matrix gradient. Left: the per-pair scores, the projections and
-  short convolutions, and transposes between the einsums' layouts.
+  inverse is 0.9 ms with its matrix gradient (a `triangular_solve` forward is no faster). Left:
+  hundreds of small kernels a block (projections, short convolutions, the per-pair scores, the
+  transposes between the einsums' layouts), each with the thunk runtime's fixed cost; fusing the
+  six input projections into one matmul saved nothing.
 - MoE feed-forward 4.5 ms a block (28 ms before): XLA's CPU runs `ragged_dot` as E masked dense
   matmuls (23 ms of the 28), so the CPU dispatch is `tiled_routed_experts` (2.4 ms); the EMO pool
   ranks took two argsorts a layer (26 ms a step), now pairwise comparisons.

@@ -215,9 +215,9 @@ def intra_chunk_scores(x: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
     # one leading axis: XLA's CPU library fusions (jaxlib 0.10.2) crash on the backward of these
     # einsums when several leading axes include one of size 1
     xs, ks, gs = (a.reshape(-1, n, S, K) for a in (x, k, g))  # [M, n, S, K]
-    lower = jnp.tril(jnp.ones((S, S), bool))
-    decay = jnp.where(lower[..., None], jnp.exp(span_sums(gs)), 0.0)  # [..., n, S, S, K]
+    decay = jnp.exp(span_sums(gs))  # [..., n, S, S, K], 1 above the diagonal (masked below)
     inside = jnp.einsum("...ijk,...ik,...jk->...ij", decay, xs, ks)  # [..., n, S, S]
+    inside = jnp.where(jnp.tril(jnp.ones((S, S), bool)), inside, 0.0)
     head = prefix_sums(gs)  # block a's start to i
     # the whole blocks strictly between b and a, [..., n(a), n(b), K]: span sums of the block
     # totals, moved down one block
