@@ -177,14 +177,14 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 # --- chunked form ----------------------------------------------------------------------------
 
 
-def prefix_sums(g: jax.Array) -> jax.Array:
+def _prefix_sums(g: jax.Array) -> jax.Array:
     """sum_{t <= i} g_t [..., S, K] for g [..., S, K]: a cumsum, as the sums below a matmul with a
     triangle of ones (XLA's CPU runs a cumsum as a reduce-window, several times slower)."""
     S = g.shape[-2]
     return jnp.einsum("it,...tk->...ik", jnp.tril(jnp.ones((S, S), g.dtype)), g)
 
 
-def span_sums(g: jax.Array) -> jax.Array:
+def _span_sums(g: jax.Array) -> jax.Array:
     """sum_{j < t <= i} g_t [..., S, S, K] for g [..., S, K]: each pair's exponent summed over the
     pair's own tokens (0 where i <= j). As a difference of cumulative sums, G_i - G_j, a near
     pair late in a fast-decaying chunk (G ~ -300) would carry the rounding of those large sums
@@ -205,7 +205,7 @@ def intra_chunk_scores(x: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
     x, k, g [..., C, K].
 
     Every exponent is a sum of the pair's own gates (never exp of a positive number). Within a
-    SUB_CHUNK diagonal block, per pair (`span_sums`, [C, SUB_CHUNK, K]). Across blocks a > b the
+    SUB_CHUNK diagonal block, per pair (`_span_sums`, [C, SUB_CHUNK, K]). Across blocks a > b the
     span splits at the start of block a into two factors <= 1, so the scores are matmuls:
         exp(sum_{start_a <= t <= i} g_t) x_i  .  exp(sum_{j < t < start_a} g_t) k_j
     where the second exponent is j's rest of block b plus the whole blocks between b and a."""
@@ -215,13 +215,13 @@ def intra_chunk_scores(x: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
     # one leading axis: XLA's CPU library fusions (jaxlib 0.10.2) crash on the backward of these
     # einsums when several leading axes include one of size 1
     xs, ks, gs = (a.reshape(-1, n, S, K) for a in (x, k, g))  # [M, n, S, K]
-    decay = jnp.exp(span_sums(gs))  # [..., n, S, S, K], 1 above the diagonal (masked below)
+    decay = jnp.exp(_span_sums(gs))  # [..., n, S, S, K], 1 above the diagonal (masked below)
     inside = jnp.einsum("...ijk,...ik,...jk->...ij", decay, xs, ks)  # [..., n, S, S]
     inside = jnp.where(jnp.tril(jnp.ones((S, S), bool)), inside, 0.0)
-    head = prefix_sums(gs)  # block a's start to i
+    head = _prefix_sums(gs)  # block a's start to i
     # the whole blocks strictly between b and a, [..., n(a), n(b), K]: span sums of the block
     # totals, moved down one block
-    between = span_sums(head[..., -1, :])
+    between = _span_sums(head[..., -1, :])
     between = jnp.concatenate([jnp.zeros_like(between[..., :1, :, :]), between[..., :-1, :, :]], -3)
     before = jnp.tril(jnp.ones((n, n), bool), -1)[:, :, None, None]  # b < a
     far = _suffix_sums(gs)[..., None, :, :, :] + between[..., :, :, None, :]  # [..., n, n, S, K]
@@ -289,7 +289,7 @@ def chunk_kda(
     # The segment of the token before each chunk, whose state S_0 the chunk starts from.
     seg_prev = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)  # [B, H, N]
 
-    G = prefix_sums(g)  # decay since the chunk start
+    G = _prefix_sums(g)  # decay since the chunk start
     same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
     carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
     A = chunk_system(k, g, beta, same)
