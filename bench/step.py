@@ -23,18 +23,18 @@ Peak: a jitted 2048 x 2048 float32 matmul (2 n^3 FLOPs), best of several.
 Where the time goes (XLA's per-kernel trace of the step, `--xla_cpu_enable_xprof_traceme`, and
 each part's forward + backward jitted alone on one micro-batch of 4 x 256 tokens; this 2-core AMD
 EPYC, one device: the CPU split into 8 simulated devices slows the step by a quarter). A step is
-2 micro-batches of 7 KDA blocks, 7 MoE and one each of attention, dense and LM head; it took
-0.70 s with `ragged_dot`, XLA's cumsums and argsorts and 16 x 16 decay blocks, 0.41 s now:
-- KDA mixer 22 ms a block (30 ms before), its chunked kernel 9 ms of it. Only 8 x 8 diagonal
-  blocks decay per pair, the rest are matmuls (`intra_chunk_scores`); XLA's CPU runs a cumsum as
-  a reduce-window (86 ms a step in all), so prefix and span sums are triangle matmuls. The chunk
-  inverse is 0.9 ms with its matrix gradient (a `triangular_solve` forward is no faster). Left:
-  hundreds of small kernels a block (projections, short convolutions, the per-pair scores, the
-  transposes between the einsums' layouts), each with the thunk runtime's fixed cost; fusing the
-  six input projections into one matmul saved nothing.
-- MoE feed-forward 4.5 ms a block (28 ms before): XLA's CPU runs `ragged_dot` as E masked dense
-  matmuls (23 ms of the 28), so the CPU dispatch is `tiled_routed_experts` (2.4 ms); the EMO pool
-  ranks took two argsorts a layer (26 ms a step), now pairwise comparisons.
+2 micro-batches of 7 KDA blocks, 7 MoE and one each of attention, dense and LM head: 0.41 s,
+against 0.70 s with `ragged_dot`, XLA's cumsums and argsorts and 16 x 16 decay blocks:
+- KDA mixer 22 ms a block (30 ms with cumsums and 16 x 16 blocks), its chunked kernel 9 ms.
+  Only 8 x 8 diagonal blocks decay per pair, the rest are matmuls (`intra_chunk_scores`); XLA's
+  CPU runs a cumsum as a reduce-window (86 ms a step in all), so prefix and span sums are
+  triangle matmuls. The chunk inverse is 0.9 ms with its matrix gradient (a `triangular_solve`
+  forward is no faster). Left: hundreds of small kernels a block (projections, short
+  convolutions, the per-pair scores, the transposes between the einsums' layouts), each with the
+  thunk runtime's fixed cost; fusing the six input projections into one matmul saves nothing.
+- MoE feed-forward 4.5 ms a block (28 ms with `ragged_dot`, which XLA's CPU runs as E masked
+  dense matmuls, 23 ms of the 28), with `tiled_routed_experts` as the CPU dispatch (2.4 ms); the
+  EMO pool ranks by pairwise comparison (two argsorts a layer cost 26 ms a step).
 - Attention 6.7 ms, dense SwiGLU 7.5 ms, LM head (loss included) 1.9 ms; the GA scan and AdamW
   are small beside these.
 """
