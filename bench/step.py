@@ -40,7 +40,6 @@ against 0.70 s with `ragged_dot`, XLA's cumsums and argsorts and 16 x 16 decay b
 """
 
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -118,20 +117,14 @@ def _jax_step_seconds(cfg: Config, batch: dict[str, np.ndarray]) -> tuple[float,
     )
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _olmo_core_step_seconds(cfg: Config, input_ids: np.ndarray) -> float:
     import torch
     from olmo_core.train import Duration, TrainerConfig
 
     from goldens.data import olmo_core_loader, write_token_files
-    from goldens.trace import STEP_SEED, train_module
+    from goldens.trace import STEP_SEED, train_module, use_free_port
 
-    os.environ.setdefault("MASTER_PORT", _free_port())  # a trace export may hold its default
+    use_free_port()  # a trace export may hold the default
     module = train_module(cfg)
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         work = Path(tmp)

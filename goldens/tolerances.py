@@ -249,6 +249,32 @@ spread (CE at step 28), per-layer LB / router z <= 1.3x, parameter tensors 6.3x 
 step 10; the next 2.4x); 70 is 11x the largest. OLMo-core's own rerun on another CPU measured the
 same (REGENERATE_TRACE)."""
 
+LOCKSTEP_METRIC = 1e-4
+"""Lockstep (`parity.lockstep_check`): each metric's and MoE layer's relative gap at every step.
+MEASURE"""
+LOCKSTEP_SMALL_TENSOR_FLOOR = 1e-3
+"""Lockstep: a tensor's norm, as the denominator of its gap, is at least this times the norm of
+the same quantity over the whole model. MEASURE"""
+
+
+@dataclass(frozen=True)
+class LockstepTensors:
+    """Lockstep bounds on each tensor's gap (over its floored norm): `grad` its gradient before
+    clipping; `update` the whole step's p(s + 1) - p(s); `optimizer` the update and both Adam
+    moments of the JAX optimizer alone, on OLMo-core's gradients."""
+
+    grad: float
+    update: float
+    optimizer: float
+
+
+LOCKSTEP_ROUTED_ALIKE = LockstepTensors(grad=1e-3, update=1e-1, optimizer=1e-3)
+"""A step where every MoE layer sent each expert the same number of tokens on both sides. MEASURE"""
+LOCKSTEP_REROUTED = LockstepTensors(grad=1e-1, update=1e-1, optimizer=1e-3)
+"""A step where a near-tie sent some token to another expert in JAX than in OLMo-core. MEASURE"""
+LOCKSTEP_REROUTED_TOKENS = 20
+"""Lockstep: most token slots a MoE layer may send elsewhere than OLMo-core in one step. MEASURE"""
+
 REGENERATE_KINDS = ("exact", "rounding", "envelope")
 
 

@@ -23,7 +23,9 @@ other fp32 implementation of the same run can be expected to show.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,15 @@ MASTER_PORT = "29551"
 """The gloo process group's port, unless MASTER_PORT is set."""
 
 
+def use_free_port() -> None:
+    """Unless MASTER_PORT is set, the gloo group listens on a port free now (another OLMo-core
+    run, or one just ended, may hold MASTER_PORT's default)."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
 def _process_group() -> None:
     import torch.distributed as dist
 
@@ -74,60 +85,68 @@ def _process_group() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def _callbacks(snapshots: dict, rows: dict, draws: list):
+def record_pool_draws(model, on_draw: Callable[[int, object, int], None]) -> None:
+    """Make every `EmoRouterV2` of `model` report each training call's draw tensor to
+    `on_draw(layer, raw [B, T] int64, documents)`: OLMo-core's per-document `torch.randint`,
+    rebuilt from the RNG state before the call and checked against the pools it used."""
     import torch
     from olmo_core.nn.moe.v2.emo_router import EmoRouterV2
+
+    routers = [m for m in model.modules() if isinstance(m, EmoRouterV2)]
+    for layer, router in enumerate(routers):
+        original = router._pool_sizes
+
+        def pool_sizes(segment_ids, router=router, layer=layer, original=original):
+            state = torch.get_rng_state()
+            pools = original(segment_ids)
+            if router.training:
+                generator = torch.Generator()
+                generator.set_state(state)
+                emo = router.emo
+                raw = torch.randint(
+                    emo.min_document_expert_pool,
+                    emo.max_document_expert_pool + 1,
+                    segment_ids.shape,
+                    generator=generator,
+                )
+                assert torch.equal(raw.gather(1, segment_ids), pools), "draw not reproduced"
+                on_draw(layer, raw, int(segment_ids.max()) + 1)
+            return pools
+
+        router._pool_sizes = pool_sizes
+
+
+def unwrapped(module):
+    """The `Transformer` inside a train module's `OLMoDDPModel` (state-dict keys without
+    "module.")."""
+    return getattr(module.model, "module", module.model)
+
+
+def _callbacks(snapshots: dict, rows: dict, draws: list):
     from olmo_core.train.callbacks import Callback
-
-    class StepSeed(Callback):
-        priority = 100
-
-        def pre_step(self, batch):
-            torch.manual_seed(STEP_SEED + self.step)
 
     class Capture(Callback):
         """Params at SNAPSHOT_STEPS, metrics every step, router draws of every training call."""
 
-        def _model(self):
-            model = self.trainer.train_module.model
-            return getattr(model, "module", model)
+        def _state(self):
+            model = unwrapped(self.trainer.train_module)
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
         def pre_train(self):
-            snapshots[0] = {k: v.detach().clone() for k, v in self._model().state_dict().items()}
-            routers = [m for m in self._model().modules() if isinstance(m, EmoRouterV2)]
-            for layer, router in enumerate(routers):
-                router._pool_sizes = self._recording(router, layer, router._pool_sizes)
-
-        def _recording(self, router, layer, original):
-            def pool_sizes(segment_ids):
-                state = torch.get_rng_state()
-                pools = original(segment_ids)
-                if router.training:
-                    generator = torch.Generator()
-                    generator.set_state(state)
-                    emo = router.emo
-                    raw = torch.randint(
-                        emo.min_document_expert_pool,
-                        emo.max_document_expert_pool + 1,
-                        segment_ids.shape,
-                        generator=generator,
-                    )
-                    assert torch.equal(raw.gather(1, segment_ids), pools), "draw not reproduced"
-                    draws.append((self.step, layer, raw, int(segment_ids.max()) + 1))
-                return pools
-
-            return pool_sizes
+            snapshots[0] = self._state()
+            record_pool_draws(
+                unwrapped(self.trainer.train_module),
+                lambda layer, raw, docs: draws.append((self.step, layer, raw, docs)),
+            )
 
         def post_step(self):
             if self.step in SNAPSHOT_STEPS:
-                snapshots[self.step] = {
-                    k: v.detach().clone() for k, v in self._model().state_dict().items()
-                }
+                snapshots[self.step] = self._state()
 
         def log_metrics(self, step, metrics):
             rows[step] = dict(metrics)
 
-    return {"step_seed": StepSeed(), "capture": Capture()}
+    return {"capture": Capture()}
 
 
 def perturb_one_ulp(model, seed: int) -> None:
@@ -181,26 +200,40 @@ def train_module(cfg: Config):
     ).build(model, device=torch.device("cpu"))
 
 
-def _train(work: Path, perturb_seed: int | None = None):
+def fit(cfg: Config, module, work: Path, *, steps: int, callbacks: dict) -> None:
+    """OLMo-core's `Trainer.fit` of `module` for `steps` steps on the data goldens' loader (files
+    under `work`), metrics collected every step, no checkpoints; `callbacks` run after the one
+    that reseeds torch's RNG before every step."""
+    import torch
     from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import Callback
 
-    cfg = olmo_core(micro())
-    module = train_module(cfg)
-    if perturb_seed is not None:  # after the build, which initialises the weights
-        perturb_one_ulp(module.model, perturb_seed)
+    class StepSeed(Callback):
+        priority = 100
+
+        def pre_step(self, batch):
+            torch.manual_seed(STEP_SEED + self.step)
+
     token_files = list(write_token_files(cfg, work).values())
     loader = olmo_core_loader(cfg, token_files, work / "data")
-    snapshots, rows, draws = {}, {}, []
-    trainer = TrainerConfig(
+    TrainerConfig(
         save_folder=str(work / "run"),
-        max_duration=Duration.steps(STEPS),
+        max_duration=Duration.steps(steps),
         metrics_collect_interval=1,
         no_checkpoints=True,
         device="cpu",
         cancel_check_interval=10_000,
-        callbacks=_callbacks(snapshots, rows, draws),
-    ).build(module, loader)
-    trainer.fit()
+        callbacks={"step_seed": StepSeed(), **callbacks},
+    ).build(module, loader).fit()
+
+
+def _train(work: Path, perturb_seed: int | None = None):
+    cfg = olmo_core(micro())
+    module = train_module(cfg)
+    if perturb_seed is not None:  # after the build, which initialises the weights
+        perturb_one_ulp(module.model, perturb_seed)
+    snapshots, rows, draws = {}, {}, []
+    fit(cfg, module, work, steps=STEPS, callbacks=_callbacks(snapshots, rows, draws))
     return cfg, snapshots, rows, draws
 
 
@@ -226,7 +259,7 @@ def _draw_tensor(draws: list, steps: range, ga: int) -> tuple[np.ndarray, int]:
     return out.reshape(len(steps), ga, layers, *out.shape[1:]), documents
 
 
-def _metrics(rows: dict, steps: range) -> tuple[list[int], dict[str, np.ndarray]]:
+def trace_metrics(rows: dict, steps: range) -> tuple[list[int], dict[str, np.ndarray]]:
     """Every METRICS entry [steps] and the per-block aux losses [steps, blocks]."""
     tensors = {
         name: np.array([rows[s][key] for s in steps], np.float64) for name, key in METRICS.items()
@@ -243,7 +276,7 @@ def _perturbed(golden_snapshots: dict, steps: range) -> dict[str, np.ndarray]:
     for seed in PERTURBED_SEEDS:
         with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
             _, snapshots, rows, _ = _train(Path(tmp), perturb_seed=seed)
-        _, tensors = _metrics(rows, steps)
+        _, tensors = trace_metrics(rows, steps)
         for step in SNAPSHOT_STEPS[1:]:
             golden = golden_snapshots[step]
             tensors[f"params_rel_diff_step{step}"] = np.array(
@@ -257,7 +290,7 @@ def export() -> list[GoldenFile]:
     with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
         cfg, snapshots, rows, draws = _train(Path(tmp))
     steps = range(1, STEPS + 1)
-    blocks, tensors = _metrics(rows, steps)
+    blocks, tensors = trace_metrics(rows, steps)
     tensors["pool_draws"], documents = _draw_tensor(draws, steps, cfg.train.ga_steps)
     common = {
         "producer": "olmo_core.train.Trainer with OLMoDDPModel, OLMoDDPTrainModule, "

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -144,6 +146,22 @@ def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]
             node = node.setdefault(part, {})
         node[path[-1]] = value
     nnx.update(module, nested)
+
+
+def like_params(state_dict: Mapping, params: nnx.State, entries: list[Entry]) -> nnx.State:
+    """Tensors shaped like OLMo-core's params (Adam moments, gradients), keyed as its state dict,
+    as a state like `params` (each in its param's layout and dtype; a new state, `params` is
+    untouched)."""
+    by_path = {e.path: e for e in entries}
+
+    def convert(path, leaf):
+        entry = by_path[tuple(getattr(k, "key", None) for k in path[:-1])]
+        value = _to_ours(_numpy(state_dict[entry.torch_key], leaf.dtype), entry.layout)
+        if value.shape != leaf.shape:
+            raise ValueError(f"{entry.torch_key}: shape {value.shape}, expected {leaf.shape}")
+        return jnp.asarray(value)
+
+    return jax.tree_util.tree_map_with_path(convert, params)
 
 
 def params_to_olmo_core(params: nnx.State, entries: list[Entry]) -> dict[str, np.ndarray]:

@@ -50,13 +50,20 @@ def _local_terms(graphdef, cfg: Config, params, mb, div, lb_axis_name: Axes):
         tiles=cfg.train.vocab_tiles,
         seq_major=cfg.flags.vocab_tiling_seq_major,
     )
-    return {"ce": ce / div, "z_loss": z / div, "lb_loss": aux.lb_loss, "router_z_loss": aux.z_loss}
+    return {
+        "ce": ce / div,
+        "z_loss": z / div,
+        "lb_loss": aux.lb_loss,
+        "router_z_loss": aux.z_loss,
+        "expert_counts": aux.counts,
+    }
 
 
 def model_terms_fn(graphdef, cfg: Config, *, mesh: Mesh | None = None) -> TermsFn:
     """`terms_fn(params, micro_batch, loss_div_factor)` of the `Transformer` split into
     `graphdef` and params: "ce", "z_loss" (scalars), "lb_loss", "router_z_loss" ([n_moe_layers]),
-    each divided by the batch's D (the router losses too, as OLMo-core's)."""
+    each divided by the batch's D (the router losses too, as OLMo-core's); "expert_counts"
+    [n_moe_layers, E], the token slots each routed expert received (logged, not a loss)."""
     if mesh is None:
         return lambda params, mb, div: _local_terms(graphdef, cfg, params, mb, div, None)
     devices = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -108,6 +108,33 @@ def init(params, cfg: Config) -> OptState:
     return OptState(_direction(cfg, params).init(params), skip)
 
 
+def resume(params, cfg: Config, *, mu, nu, count: int, losses, grad_norms) -> OptState:
+    """The optimizer state of a run stopped after `count` Adam updates: its moments `mu`, `nu`
+    (pytrees like `params`) and the skip rule's last <= window + 1 losses and grad norms (oldest
+    first), as `OLMoDDPOptimizer` holds them in `states` and `_losses` / `_grad_norms`."""
+    state = init(params, cfg)
+    size = state.skip.losses.shape[0]
+    if len(losses) != len(grad_norms) or len(losses) > size:
+        raise ValueError(
+            f"skip history: {len(losses)} losses and {len(grad_norms)} grad norms, "
+            f"expected equal counts of at most {size}"
+        )
+
+    def history(values):
+        values = jnp.asarray(values, state.skip.losses.dtype).reshape(-1)
+        return jnp.concatenate([jnp.zeros(size - values.shape[0], values.dtype), values])
+
+    adam, *decay = state.adam
+    adam = adam._replace(count=jnp.asarray(count, adam.count.dtype), mu=mu, nu=nu)
+    skip = SkipState(history(losses), history(grad_norms), jnp.asarray(len(losses), jnp.int32))
+    return OptState((adam, *decay), skip)
+
+
+def moments(state: OptState) -> tuple[Any, Any]:
+    """Adam's first and second moments (pytrees like the params)."""
+    return state.adam[0].mu, state.adam[0].nu
+
+
 def record(state: SkipState, loss, grad_norm) -> SkipState:
     """Append the step's loss and grad norm to the skip history."""
     push = lambda history, x: jnp.concatenate([history[1:], jnp.reshape(x, (1,))])  # noqa: E731

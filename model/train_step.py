@@ -9,7 +9,8 @@ losses GA times too large).
 
 `terms_fn(params, micro_batch, loss_div_factor)` is the model's side: it returns the unweighted
 terms of one micro-batch, already divided by D: "ce" and "z_loss" (scalars) and, for MoE models,
-"lb_loss" and "router_z_loss" ([n_moe_layers] each). Weights come from `TrainConfig`; the MoE
+"lb_loss" and "router_z_loss" ([n_moe_layers] each) and "expert_counts" ([n_moe_layers, E],
+token slots per routed expert, reported as they are). Weights come from `TrainConfig`; the MoE
 terms are combined over layers by `Flags.moe_aux_loss_reduction`.
 """
 
@@ -55,7 +56,8 @@ def combine_aux(per_layer: jax.Array, reduction: str) -> jax.Array:
 
 def _weighted(terms: dict[str, jax.Array], cfg: Config) -> tuple[dict, dict]:
     """The terms as they enter the objective and the logs (weights applied, layers combined),
-    and the weighted MoE terms of each layer ("<name>_per_layer" [n_moe_layers], logs only)."""
+    and what only the logs see: the weighted MoE terms of each layer ("<name>_per_layer"
+    [n_moe_layers]) and the expert counts."""
     train = cfg.train
     weights = {"lb_loss": train.lb_loss_weight, "router_z_loss": train.router_z_loss_weight}
     out = {"ce": terms["ce"], "z_loss": train.z_loss_weight * terms["z_loss"]}
@@ -66,6 +68,8 @@ def _weighted(terms: dict[str, jax.Array], cfg: Config) -> tuple[dict, dict]:
             out[name] = combine_aux(
                 per_layer[f"{name}_per_layer"], cfg.flags.moe_aux_loss_reduction
             )
+    if "expert_counts" in terms:
+        per_layer["expert_counts"] = terms["expert_counts"]
     return out, per_layer
 
 
@@ -117,7 +121,8 @@ def train_step(
 ):
     """Accumulate over the micro-batches [GA, b, ...] (arguments as `accumulate`), then one
     optimizer step. Returns (state, metrics): the reported terms (with the weighted MoE terms of
-    each layer, "<name>_per_layer"), "lr", "grad_norm" (before clipping), "skipped"."""
+    each layer, "<name>_per_layer", and "expert_counts"), "lr", "grad_norm" (before clipping),
+    "skipped"."""
     grads, terms = accumulate(
         state.params,
         micro_batches,

@@ -37,7 +37,7 @@ def spread(trace: GoldenTrace, name: str) -> np.ndarray:
     return metric_spread(trace.perturbed[name], trace.metrics[name])
 
 
-def _checked(ours, golden, own, bar: float) -> Check:
+def checked(ours, golden, own, bar: float) -> Check:
     """Within `bar` or `REPLAY_SPREAD_FACTOR` times OLMo-core's own spread `own`."""
     gap = rel_gap(ours, golden)
     tol = np.maximum(bar, REPLAY_SPREAD_FACTOR * np.asarray(own))
@@ -50,11 +50,11 @@ def compare_step(trace: GoldenTrace, step: int, ours: Metrics, *, free: bool) ->
     i = step - 1
     own = lambda key: spread(trace, key)[i] if free else np.zeros_like(trace.metrics[key][i])  # noqa: E731
     metrics = {
-        name: _checked(ours[name], float(trace.metrics[name][i]), float(own(name)), BARS[name])
+        name: checked(ours[name], float(trace.metrics[name][i]), float(own(name)), BARS[name])
         for name in METRICS
     }
     layers = {
-        name: _checked(
+        name: checked(
             ours[f"{name}_per_layer"],
             trace.metrics[f"{name}_per_block"][i],
             own(f"{name}_per_block"),
@@ -115,7 +115,7 @@ def compare_params(trace: GoldenTrace, step: int, ours: dict[str, np.ndarray]) -
     )
 
 
-def _block_of(name: str) -> int | None:
+def block_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[1]) if parts[0] == "blocks" else None
 
@@ -131,7 +131,7 @@ def free_running_record(
         first = divergence(trace, check)
         saved = [p for p in checks if p.step == check.step and not p.ok]
         if first is None and saved:
-            first = Divergence(check.step, "params", _block_of(saved[0].worst))
+            first = Divergence(check.step, "params", block_of(saved[0].worst))
         if first is not None:
             break
     tolerances = Tolerances(BARS, REPLAY_PARAMS, REPLAY_SPREAD_FACTOR)

@@ -94,30 +94,105 @@ class TeacherForcedRecord:
         return self.first_divergence is None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"passed": self.passed}
+        """The `replay.json` dict of the teacher-forced view."""
+        return {"view": "teacher-forced"} | dataclasses.asdict(self) | {"passed": self.passed}
 
 
 @dataclass(frozen=True)
 class ReplayRecord:
-    """A free-running replay, and its teacher-forced view when one was asked for."""
+    """A free-running replay."""
 
     flags: str
     steps: list[StepCheck]
     params: list[ParamsCheck]
     first_divergence: Divergence | None
     tolerances: Tolerances
-    teacher_forced: TeacherForcedRecord | None = None
 
     @property
     def passed(self) -> bool:
-        """The free-running view's verdict (the teacher-forced view has its own)."""
         return self.first_divergence is None
 
     def to_json(self) -> dict[str, Any]:
-        """The `replay.json` dict."""
-        out = dataclasses.asdict(self) | {"passed": self.passed}
-        if self.teacher_forced is None:
-            del out["teacher_forced"]
-        else:
-            out["teacher_forced"] = self.teacher_forced.to_json()
-        return out
+        """The `replay.json` dict of the free-running view."""
+        return {"view": "free-running"} | dataclasses.asdict(self) | {"passed": self.passed}
+
+
+@dataclass(frozen=True)
+class TensorGaps:
+    """One parameter tensor at one lockstep step, |ours - OLMo-core's| / |OLMo-core's| (Frobenius
+    norms; see `parity.lockstep_check` for small tensors): its gradient before clipping, the whole
+    step's update p(s + 1) - p(s); the update and Adam's two moments after the step of the JAX
+    optimizer alone, on OLMo-core's gradients."""
+
+    grad_rel_gap: float
+    update_rel_gap: float
+    optimizer_update_rel_gap: float
+    exp_avg_rel_gap: float
+    exp_avg_sq_rel_gap: float
+
+
+@dataclass(frozen=True)
+class LockstepStep:
+    """One lockstep step: every metric and MoE layer (as `StepCheck`), the token slots each MoE
+    layer sent to other experts than OLMo-core did, every tensor, and whether OLMo-core's own
+    metrics agree with the golden trace's (None past the trace's steps)."""
+
+    step: int
+    metrics: dict[str, Check]
+    layers: dict[str, Check]
+    skipped: Skipped
+    tokens_rerouted: list[int]
+    tensors: dict[str, TensorGaps]
+    olmo_core_is_trace: bool | None
+
+
+@dataclass(frozen=True)
+class LockstepDivergence:
+    """The first step over tolerance and, of what is over there, the farthest over: `kind` one of
+    "metric", "layer", "routing", "skipped", a `TensorGaps` kind ("grad", "update",
+    "optimizer_update", "exp_avg", "exp_avg_sq") or "trace" (OLMo-core left the trace's envelope);
+    `name` the metric or OLMo-core parameter; `block` its block."""
+
+    step: int
+    kind: str
+    name: str
+    block: int | None
+    rel_gap: float
+    tolerance: float
+
+
+@dataclass(frozen=True)
+class LockstepTolerances:
+    metric: float
+    routed_alike: Any
+    """`goldens.tolerances.LockstepTensors` of a step whose expert counts agree."""
+    rerouted: Any
+    rerouted_tokens: int
+    small_tensor_floor: float
+
+
+@dataclass(frozen=True)
+class LockstepRecord:
+    steps: list[LockstepStep]
+    first_divergence: LockstepDivergence | None
+    tolerances: LockstepTolerances
+
+    @property
+    def passed(self) -> bool:
+        return self.first_divergence is None
+
+    def to_json(self) -> dict[str, Any]:
+        """The `replay.json` dict of the lockstep view: the metric checks of every step at the top
+        level (as the other views write them) and the whole record under "lockstep"."""
+        whole = dataclasses.asdict(self) | {"passed": self.passed}
+        metrics_only = [
+            {k: s[k] for k in ("step", "metrics", "layers", "skipped")} for s in whole["steps"]
+        ]
+        first = whole["first_divergence"]
+        return {
+            "view": "lockstep",
+            "steps": metrics_only,
+            "passed": self.passed,
+            "first_divergence": first,
+            "lockstep": whole,
+        }

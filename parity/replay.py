@@ -1,14 +1,19 @@
-"""`python -m parity.replay` (`olmo-parity replay`): train the JAX model step for step on
-OLMo-core's golden trace and compare every step.
+"""`python -m parity.replay` (`olmo-parity replay`): hold the JAX train step to OLMo-core's,
+step by step, in one of three views (`--view`), each reported on its own.
 
-Free-running (`parity.run`): the golden step-0 weights, the golden data order, OLMo-core's EMO
-draws and every OLMo-core flag; then only the JAX optimizer moves the params. Each step's CE,
-z-loss, LB and router z-loss (total and per MoE block), LR, grad norm and skip flag are compared
-with the trace, and each parameter tensor at the trace's saved steps with its snapshots
-(`parity.compare`: the issue's bars, or OLMo-core's own one-ulp spread times a factor).
+lockstep (default, `parity.lockstep`): OLMo-core's own train module trains beside the JAX step;
+every step both start from OLMo-core's state (params, Adam moments, skip history) and the same
+batch and EMO draws, and every metric, MoE layer, gradient, update and moment is compared with
+tolerances measured for one step (`parity.lockstep_check`). Runs past the trace's 50 steps, up to
+the data's first epoch. OLMo-core's metrics are also checked against the golden trace.
 
-`--teacher-forced` adds a second view, reported separately: each saved step s restarts from
-OLMo-core's params at s and is compared at step s + 1 with the issue's bars alone.
+free-running (`parity.run`): from OLMo-core's step-0 weights only the JAX optimizer moves the
+params; each step's metrics are compared with the trace, and each parameter tensor at the saved
+steps (`parity.compare`: the issue's bars, or OLMo-core's own one-ulp spread times a factor).
+
+teacher-forced: each saved step s restarts from OLMo-core's params at s and is compared at step
+s + 1 with the issue's bars alone.
+
 `--flags maxtext` runs with every flag at MaxText's default (the golden data order stays: the
 replay needs OLMo-core's batches to compare anything), to show what the seed fixed.
 """
@@ -19,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -27,9 +33,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from model.config import Config, Flags
 from parity import report
 from parity.compare import compare_step, free_running_record, teacher_forced_record
-from parity.records import StepCheck
+from parity.lockstep import lockstep
+from parity.lockstep_check import check_step, lockstep_record, over_tolerance
+from parity.records import LockstepStep
 from parity.run import Metrics, Run, free_running, teacher_forced, use_devices
-from parity.trace import load_trace
+from parity.trace import GoldenTrace, load_trace
 
 
 def maxtext_config(config: Config) -> Config:
@@ -41,7 +49,19 @@ def maxtext_config(config: Config) -> Config:
 
 def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="steps to replay (default: all)")
+    parser.add_argument(
+        "--view",
+        choices=list(VIEWS),
+        default="lockstep",
+        help="lockstep (default): OLMo-core beside us, every step from its state; free-running: "
+        "our own optimizer from its step-0 weights; teacher-forced: from its saved params",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps (default: the trace's 50; lockstep may run to the end of the data's epoch)",
+    )
     parser.add_argument(
         "--flags",
         choices=("olmo_core", "maxtext"),
@@ -54,68 +74,112 @@ def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
         "--devices",
         type=int,
         default=1,
-        help="simulated CPU data devices; the routed MoE runs in shard_map over them",
-    )
-    parser.add_argument(
-        "--teacher-forced",
-        action="store_true",
-        help="also restart from each of OLMo-core's saved params (reported separately)",
+        help="simulated CPU data devices, the routed MoE in shard_map over them (not lockstep)",
     )
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the replay, print the tables and the verdict, write replay.json and replay.png.
-    Returns the exit code: 0 when every step is within tolerance, 1 otherwise."""
-    use_devices(args.devices)
-    trace = load_trace()
+def _steps(args: argparse.Namespace, trace: GoldenTrace) -> int:
+    most = trace.data.num_batches if args.view == "lockstep" else trace.steps
     steps = trace.steps if args.steps is None else args.steps
-    if not 1 <= steps <= trace.steps:
-        raise SystemExit(
-            f"--steps must lie in 1..{trace.steps} (the golden trace's steps), got {steps}"
-        )
-    if args.window < 1:
-        raise SystemExit(f"--window must be >= 1, got {args.window}")
-    config = trace.config if args.flags == "olmo_core" else maxtext_config(trace.config)
-    setup = Run(config, devices=args.devices)
-    console = Console()
-    console.print(
-        f"Replaying {steps} steps of OLMo-core's trace (micro config, GA {config.train.ga_steps}, "
-        f"flags {args.flags}, {args.devices} device(s)); the first step compiles."
-    )
-    window: list[StepCheck] = []
+    if not 1 <= steps <= most:
+        what = "the data's first epoch" if args.view == "lockstep" else "the golden trace's steps"
+        raise SystemExit(f"--steps must lie in 1..{most} ({what}) for {args.view}, got {steps}")
+    return steps
+
+
+def _progress(console: Console) -> Progress:
     columns = (BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[gap]}"))
-    with Progress(
+    return Progress(
         TextColumn("{task.description}"), *columns, TimeRemainingColumn(), console=console
-    ) as progress:
+    )
+
+
+def _windows(window: int, steps: int, progress: Progress, task, table) -> Callable:
+    """A step callback: advance the bar, print `table(checks, title)` every `window` steps."""
+    pending: list = []
+
+    def add(check, gap: str) -> None:
+        pending.append(check)
+        progress.update(task, advance=1, gap=gap)
+        if len(pending) == window or check.step == steps:
+            progress.console.print(table(pending, title=f"steps {pending[0].step}-{check.step}"))
+            pending.clear()
+
+    return add
+
+
+def _lockstep(args, trace: GoldenTrace, setup: Run, steps: int, console: Console):
+    checks: list[LockstepStep] = []
+    with _progress(console) as progress:
+        task = progress.add_task("lockstep", total=steps, gap="")
+        add = _windows(args.window, steps, progress, task, report.lockstep_table)
+
+        def on_step(olmo_core, ours) -> None:
+            check = check_step(trace, olmo_core, ours)
+            checks.append(check)
+            over = over_tolerance(trace, check)
+            for line in report.worst_tensors(check, over):
+                progress.console.print(line)
+            add(check, f"CE gap {check.metrics['ce'].rel_gap:.1e}")
+
+        lockstep(trace, setup, steps=steps, on_step=on_step)
+    record = lockstep_record(trace, checks)
+    console.print(report.lockstep_verdict(record))
+    report.plot_lockstep(record, args.out / "replay.png")
+    return record
+
+
+def _free_running(args, trace: GoldenTrace, setup: Run, steps: int, console: Console):
+    with _progress(console) as progress:
         task = progress.add_task("replay", total=steps, gap="")
+        add = _windows(args.window, steps, progress, task, report.window_table)
 
         def on_step(step: int, row: Metrics) -> None:
             check = compare_step(trace, step, row, free=True)
-            window.append(check)
-            progress.update(task, advance=1, gap=f"CE gap {check.metrics['ce'].rel_gap:.1e}")
-            if len(window) == args.window or step == steps:
-                title = f"steps {window[0].step}-{step}"
-                progress.console.print(report.window_table(window, title=title))
-                window.clear()
+            add(check, f"CE gap {check.metrics['ce'].rel_gap:.1e}")
 
         rows, params = free_running(trace, setup, steps=steps, on_step=on_step)
     record = free_running_record(trace, rows, params, flags=args.flags)
     for check in record.params:
         console.print(report.params_line(check))
     console.print(report.verdict(record, what="free-running"))
-    if args.teacher_forced:
-        forced = teacher_forced_record(trace, teacher_forced(trace, setup, steps=steps))
-        for check in forced.steps:
-            console.print(report.window_table([check], title=f"teacher-forced step {check.step}"))
-        console.print(report.verdict(forced, what="teacher-forced"))
-        record = dataclasses.replace(record, teacher_forced=forced)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "replay.json").write_text(json.dumps(record.to_json(), indent=1))
     report.plot(record, args.out / "replay.png")
-    console.print(f"wrote {args.out / 'replay.json'} and {args.out / 'replay.png'}")
-    forced_ok = record.teacher_forced is None or record.teacher_forced.passed
-    return 0 if record.passed and forced_ok else 1
+    return record
+
+
+def _teacher_forced(args, trace: GoldenTrace, setup: Run, steps: int, console: Console):
+    record = teacher_forced_record(trace, teacher_forced(trace, setup, steps=steps))
+    for check in record.steps:
+        console.print(report.window_table([check], title=f"teacher-forced step {check.step}"))
+    console.print(report.verdict(record, what="teacher-forced"))
+    return record
+
+
+VIEWS = {"lockstep": _lockstep, "free-running": _free_running, "teacher-forced": _teacher_forced}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the view, print its tables and verdict, write replay.json (and replay.png, but for
+    the teacher-forced view). Returns the exit code: 0 when every step is within tolerance."""
+    if args.window < 1:
+        raise SystemExit(f"--window must be >= 1, got {args.window}")
+    if args.view == "lockstep" and args.devices != 1:
+        raise SystemExit("--devices: lockstep runs the JAX side on one device")
+    use_devices(args.devices)
+    trace = load_trace()
+    steps = _steps(args, trace)
+    config = trace.config if args.flags == "olmo_core" else maxtext_config(trace.config)
+    console = Console()
+    console.print(
+        f"{args.view}: {steps} steps of OLMo-core's micro config (GA {config.train.ga_steps}, "
+        f"flags {args.flags}, {args.devices} device(s)); the first step compiles."
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = VIEWS[args.view](args, trace, Run(config, devices=args.devices), steps, console)
+    (args.out / "replay.json").write_text(json.dumps(record.to_json(), indent=1))
+    console.print(f"wrote {args.out / 'replay.json'}")
+    return 0 if record.passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,10 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from rich.console import Group
 from rich.table import Table
 
-from model.train_step import METRICS
-from parity.records import ParamsCheck, ReplayRecord, StepCheck, TeacherForcedRecord
+from model.train_step import AUX_TERMS, METRICS
+from parity.lockstep_check import TENSOR_KINDS, TOLERANCES, tensor_tolerances
+from parity.records import (
+    LockstepDivergence,
+    LockstepRecord,
+    LockstepStep,
+    ParamsCheck,
+    ReplayRecord,
+    StepCheck,
+    TeacherForcedRecord,
+)
 
 LABELS = {
     "ce": "CE",
@@ -23,7 +33,7 @@ LABELS = {
 }
 
 
-def window_table(steps: list[StepCheck], *, title: str) -> Table:
+def window_table(steps: list[StepCheck] | list[LockstepStep], *, title: str) -> Table:
     """One row per metric over `steps`: mean ours, mean golden, the largest relative gap (the one
     nearest its tolerance) and its step, the tolerance there, ok."""
     table = Table(title=title, title_justify="left")
@@ -43,6 +53,111 @@ def window_table(steps: list[StepCheck], *, title: str) -> Table:
             "[green]ok[/]" if ok else "[red]over[/]",
         )
     return table
+
+
+TENSOR_LABELS = {
+    "grad": "gradient",
+    "update": "update",
+    "optimizer_update": "optimizer's update",
+    "exp_avg": "optimizer's Adam m",
+    "exp_avg_sq": "optimizer's Adam v",
+}
+"""The optimizer's: the JAX optimizer alone, on OLMo-core's gradients."""
+WORST_SHOWN = 5
+"""Tensors printed for a failing lockstep step."""
+
+
+def _tensor_ratios(step: LockstepStep, kind: str) -> list[tuple[float, float, str]]:
+    """(gap / tolerance, gap, tensor) of every tensor for one `TensorGaps` kind."""
+    tol = getattr(tensor_tolerances(step.tokens_rerouted), TENSOR_KINDS[kind])
+    return [
+        (getattr(t, f"{kind}_rel_gap") / tol, getattr(t, f"{kind}_rel_gap"), n)
+        for n, t in step.tensors.items()
+    ]
+
+
+def lockstep_table(steps: list[LockstepStep], *, title: str) -> Group:
+    """`window_table`'s metric rows with the MoE layers' largest LB and router z-loss gaps and
+    token slots rerouted; then, per tensor gap kind, the tensor nearest (or farthest over) its
+    tolerance."""
+    metrics = window_table(steps, title=title)
+    mark = lambda ok: "[green]ok[/]" if ok else "[red]over[/]"  # noqa: E731
+    for name in AUX_TERMS:
+        gap, step = max((max(s.layers[name].rel_gap), s.step) for s in steps)
+        ok = all(all(s.layers[name].ok) for s in steps)
+        row = (f"{LABELS[name]}, a layer", "", "", f"{gap:.2e}", str(step))
+        metrics.add_row(*row, f"{TOLERANCES.metric:.1e}", mark(ok))
+    moved, step = max((max(s.tokens_rerouted), s.step) for s in steps)
+    tol = TOLERANCES.rerouted_tokens
+    row = ("tokens rerouted, a layer", "", "", str(moved), str(step), str(tol), mark(moved <= tol))
+    metrics.add_row(*row)
+    tensors = Table(title_justify="left")
+    for column in ("tensor gap", "nearest its tolerance", "gap", "step", "tol", ""):
+        tensors.add_column(column, justify="right" if column in ("gap", "step", "tol") else "left")
+    for kind in TENSOR_KINDS:
+        ratio, gap, name, step = max((*r, s.step) for s in steps for r in _tensor_ratios(s, kind))
+        row = (TENSOR_LABELS[kind], name, f"{gap:.2e}", str(step), f"{gap / ratio:.1e}")
+        tensors.add_row(*row, mark(ratio <= 1))
+    return Group(metrics, tensors)
+
+
+def _describe(d: LockstepDivergence) -> str:
+    if d.kind == "skipped":
+        return "the skip decision differs"
+    if d.kind == "routing":
+        return f"{d.rel_gap:.0f} token slots rerouted in MoE block {d.block} > {d.tolerance:.0f}"
+    if d.kind == "trace":
+        return "OLMo-core's metrics left the golden trace's envelope"
+    if d.kind in TENSOR_LABELS:
+        what = f"{TENSOR_LABELS[d.kind]} of {d.name}"
+    elif d.kind == "layer":
+        what = f"{LABELS[d.name]} of MoE block {d.block}"
+    else:
+        what = LABELS[d.name]
+    return f"{what} {d.rel_gap:.2e} > {d.tolerance:.1e}"
+
+
+def worst_tensors(check: LockstepStep, over: list[LockstepDivergence]) -> list[str]:
+    """For a failing step, its WORST_SHOWN farthest over tolerance; nothing for a passing one."""
+    if not over:
+        return []
+    head = f"[red]step {check.step}: {len(over)} over tolerance[/]"
+    return [head, *(f"  {_describe(d)}" for d in over[:WORST_SHOWN])]
+
+
+def lockstep_verdict(record: LockstepRecord) -> str:
+    first = record.first_divergence
+    if first is None:
+        return "[green]lockstep: every step within tolerance[/]"
+    block = "" if first.block is None else f" (block {first.block})"
+    return f"[red]lockstep: first divergence at step {first.step}, {_describe(first)}{block}[/]"
+
+
+def plot_lockstep(record: LockstepRecord, path: Path) -> None:
+    """Each metric's gap per step, and the worst gradient, update and moment gap per step, each
+    over its tolerance (above 1 = diverged), to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s.step for s in record.steps]
+    fig, (metrics, tensors) = plt.subplots(1, 2, figsize=(14, 5), constrained_layout=True)
+    for name in METRICS:
+        ratio = [s.metrics[name].rel_gap / s.metrics[name].tolerance for s in record.steps]
+        metrics.semilogy(steps, np.maximum(ratio, 1e-9), label=LABELS[name])
+    for kind in TENSOR_KINDS:
+        worst = [max(r[0] for r in _tensor_ratios(s, kind)) for s in record.steps]
+        tensors.semilogy(steps, np.maximum(worst, 1e-9), label=f"worst {TENSOR_LABELS[kind]}")
+    metrics.set_title("metric gap / tolerance")
+    tensors.set_title("worst tensor gap / tolerance per step")
+    for ax in (metrics, tensors):
+        ax.axhline(1.0, color="red", lw=1)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.suptitle("lockstep: JAX against OLMo-core, every step from OLMo-core's state")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def params_line(check: ParamsCheck) -> str:

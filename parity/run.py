@@ -25,6 +25,7 @@ from model.config import Config
 from model.convert import from_olmo_core, to_olmo_core
 from model.objective import model_terms_fn
 from model.sharding import make_mesh
+from parity.faults import InjectedFault
 from parity.trace import GoldenTrace
 
 Metrics = dict[str, float | bool | list[float]]
@@ -44,6 +45,8 @@ class Run:
     devices: int = 1
     wrap_terms: Callable[[ts.TermsFn], ts.TermsFn] | None = None
     draws: PoolDraws | None = None
+    fault: InjectedFault | None = None
+    """Tests only (`parity.faults`): a deliberate error from a given step."""
 
     def __post_init__(self):
         if self.devices < 1:
@@ -65,17 +68,45 @@ def _metrics(out: dict[str, jax.Array]) -> Metrics:
 
 
 @functools.cache
-def _step_fn(run: Run, graphdef):
+def _jitted(run: Run, graphdef):
+    """The train step's two jitted parts for `run` (no fault): accumulate, then the optimizer."""
     mesh = make_mesh(data=run.devices) if run.devices > 1 else None
     terms = model_terms_fn(graphdef, run.config, mesh=mesh)
     if run.wrap_terms is not None:
         terms = run.wrap_terms(terms)
-    return jax.jit(functools.partial(ts.train_step, cfg=run.config, terms_fn=terms))
+    accumulate = jax.jit(functools.partial(ts.accumulate, cfg=run.config, terms_fn=terms))
+    update = jax.jit(functools.partial(optim.step, cfg=run.config))
+    return accumulate, update
+
+
+def step_parts(run: Run, graphdef, step: int):
+    """(accumulate, update, fault) of trainer step `step` (from 1): the train step's two jitted
+    parts in the config `run.fault` sets at that step, and the fault when it acts there."""
+    fault = run.fault if run.fault is not None and run.fault.acts_at(step) else None
+    config = run.config if fault is None else fault.config(run.config)
+    accumulate, update = _jitted(dataclasses.replace(run, config=config, fault=None), graphdef)
+    return accumulate, update, fault
+
+
+def take_step(run: Run, graphdef, state: ts.TrainState, micro_batches):
+    """One whole step as `model.train_step.train_step` composes it (accumulate over the
+    micro-batches, then `model.optim.step`), in two jitted parts so that the gradients before
+    clipping come out and `run.fault` can act between them. Returns (state, metrics as
+    `train_step` reports them, gradients before clipping)."""
+    step = int(state.step) + 1  # the trainer's count: this step's number, from 1
+    accumulate, update, fault = step_parts(run, graphdef, step)
+    grads, terms = accumulate(state.params, micro_batches)
+    if fault is not None:
+        grads = fault.scale_grads(grads, run.config)
+    params, opt_state, metrics = update(
+        state.params, grads, state.opt_state, step=state.step, loss=terms["ce"]
+    )
+    return ts.TrainState(params, opt_state, state.step + 1), {**terms, **metrics}, grads
 
 
 def release_compiled() -> None:
     """Drop every compiled train step (each holds its own LLVM code)."""
-    _step_fn.cache_clear()
+    _jitted.cache_clear()
     jax.clear_caches()
 
 
@@ -97,11 +128,10 @@ def free_running(
     """Steps 1..`steps` from OLMo-core's step-0 weights. Returns each step's metrics and our
     params (as an OLMo-core state dict) at the trace's saved steps."""
     graphdef, params = _model(trace, run, 0)
-    step_fn = _step_fn(run, graphdef)
     state = ts.init_state(params, run.config)
     rows, saved = [], {}
     for step in range(1, steps + 1):
-        state, out = step_fn(state, micro_batches(trace, run, step))
+        state, out, _ = take_step(run, graphdef, state, micro_batches(trace, run, step))
         rows.append(_metrics(out))
         if step in trace.snapshot_steps:
             saved[step] = to_olmo_core(nnx.merge(graphdef, state.params))
@@ -116,6 +146,6 @@ def teacher_forced(trace: GoldenTrace, run: Run, *, steps: int) -> list[tuple[in
     for start in (s for s in trace.snapshot_steps if s < steps):
         graphdef, params = _model(trace, run, start)
         state = ts.TrainState(params, optim.init(params, run.config), jnp.asarray(start, jnp.int32))
-        _, metrics = _step_fn(run, graphdef)(state, micro_batches(trace, run, start + 1))
+        _, metrics, _ = take_step(run, graphdef, state, micro_batches(trace, run, start + 1))
         out.append((start + 1, _metrics(metrics)))
     return out

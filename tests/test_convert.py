@@ -4,9 +4,16 @@ and mis-shaped keys are errors naming the key."""
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from model.config import micro
-from model.convert import from_olmo_core, model_entries, to_olmo_core
+from model.convert import (
+    from_olmo_core,
+    like_params,
+    model_entries,
+    params_to_olmo_core,
+    to_olmo_core,
+)
 
 CFG = micro().model
 
@@ -29,6 +36,18 @@ def test_round_trip_is_bit_exact(olmo_core_state_dict):
     for key, value in olmo_core_state_dict.items():
         assert back[key].dtype == value.dtype and back[key].shape == value.shape, key
         np.testing.assert_array_equal(back[key], value, err_msg=key)
+
+
+def test_tensors_like_the_params_round_trip_and_leave_the_params(olmo_core_state_dict):
+    """`like_params` (Adam moments, gradients keyed as the state dict) gives a new state in the
+    params' layout: back through `params_to_olmo_core` bit-exact, the params unchanged."""
+    _, params = nnx.split(from_olmo_core(olmo_core_state_dict, CFG))
+    doubled = {k: 2 * v for k, v in olmo_core_state_dict.items()}
+    like = like_params(doubled, params, model_entries(CFG))
+    for state, expected in ((like, doubled), (params, olmo_core_state_dict)):
+        back = params_to_olmo_core(state, model_entries(CFG))
+        for key, value in expected.items():
+            np.testing.assert_array_equal(back[key], value, err_msg=key)
 
 
 def test_table_covers_olmo_core_keys_once(olmo_core_state_dict):

@@ -116,3 +116,43 @@ def test_skipped_step_changes_nothing_but_the_history(golden):
     assert metrics["skipped"]
     assert_close("params", expected=params, actual=after, tol=BITWISE)
     assert_close("adam", expected=state.adam, actual=new_state.adam, tol=BITWISE)
+
+
+def test_resumed_state_steps_as_olmo_core(golden):
+    """Adam's moments and count taken out after step 1 and put back with `resume` give
+    OLMo-core's params after step 2 (a count off by one changes the bias correction)."""
+    g = golden("optim.safetensors")
+    cfg = _config()
+    params = jax.tree.map(jnp.asarray, _params(g, 0))
+    params, state, _ = optim.step(
+        params, _grads(g, 1), optim.init(params, cfg), step=0, loss=3.0, cfg=cfg
+    )
+    mu, nu = optim.moments(state)
+    resumed = optim.resume(params, cfg, mu=mu, nu=nu, count=1, losses=[3.0], grad_norms=[1.0])
+    params, _, _ = optim.step(params, _grads(g, 2), resumed, step=1, loss=3.0, cfg=cfg)
+    assert_close("params after step 2", expected=_params(g, 2), actual=params, tol=ADAMW_STEP)
+
+
+def test_resumed_history_decides_as_olmo_core(golden):
+    """The skip history OLMo-core held before its first skipped step (oldest first), put back
+    with `resume`, skips that step."""
+    g = golden("optim.safetensors")
+    cfg = _config()
+    window = cfg.train.skip_step_window + 1
+    first_skip = int(np.flatnonzero(g["skip.factor"] == 0)[0])
+    start = max(0, first_skip - window + 1)
+    losses = g["skip.loss"][start:first_skip].tolist()
+    norms = g["skip.grad_norm"][start:first_skip].tolist()
+    x = {"x": jnp.zeros(1)}
+    state = optim.resume(x, cfg, mu=x, nu=x, count=0, losses=losses, grad_norms=norms).skip
+    state = optim.record(state, g["skip.loss"][first_skip], g["skip.grad_norm"][first_skip])
+    sigma, w = cfg.train.skip_step_sigma, cfg.train.skip_step_window
+    assert not optim.proceeds(state, sigma=sigma, window=w)
+
+
+def test_resume_refuses_a_history_longer_than_the_window():
+    cfg = _config()
+    x = {"x": jnp.zeros(1)}
+    too_long = [1.0] * (cfg.train.skip_step_window + 2)
+    with pytest.raises(ValueError, match="skip history"):
+        optim.resume(x, cfg, mu=x, nu=x, count=0, losses=too_long, grad_norms=too_long)

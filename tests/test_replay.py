@@ -1,8 +1,8 @@
-"""The main job on the golden trace: `python -m parity.replay --steps 5` (free-running, OLMo-core
-flags) passes, writes the record in the issue's format and the plot, and every step of it is within
-the issue's bars; OLMo-core's total aux loss is our sum over layers (MaxText's mean over them:
-tests/test_diagnosis.py); `olmo-parity replay --flags maxtext` diverges on the aux loss at step 1
-and says so."""
+"""The free-running view on the golden trace: `python -m parity.replay --view free-running
+--steps 5` (OLMo-core flags) passes, writes the record in the issue's format and the plot, and every
+step of it is within the issue's bars; OLMo-core's total aux loss is our sum over layers (MaxText's
+mean over them: tests/test_diagnosis.py); `olmo-parity replay --flags maxtext` diverges on the aux
+loss at step 1 and says so. The lockstep view (the default): tests/test_lockstep.py."""
 
 import json
 
@@ -26,13 +26,16 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
     out = tmp_path_factory.mktemp("replay")
-    code = replay.main(["--steps", str(STEPS), "--out", str(out), "--window", "5"])
+    code = replay.main(
+        ["--view", "free-running", "--steps", str(STEPS), "--out", str(out), "--window", "5"]
+    )
     return code, json.loads((out / "replay.json").read_text()), out
 
 
 def test_five_steps_pass_within_the_issue_bars(replayed):
     code, record, out = replayed
     assert code == 0 and record["passed"] and record["first_divergence"] is None
+    assert record["view"] == "free-running"
     assert [s["step"] for s in record["steps"]] == list(range(1, STEPS + 1))
     for entry in record["steps"]:
         for name in METRICS:
@@ -63,7 +66,8 @@ def test_olmo_core_total_aux_loss_is_the_sum_over_layers(replayed):
 
 def test_maxtext_flags_diverge_on_the_aux_loss(tmp_path, capsys):
     """Through the console script `olmo-parity replay`."""
-    code = cli.main(["replay", "--steps", "1", "--flags", "maxtext", "--out", str(tmp_path)])
+    args = ["--view", "free-running", "--steps", "1", "--flags", "maxtext", "--out", str(tmp_path)]
+    code = cli.main(["replay", *args])
     record = json.loads((tmp_path / "replay.json").read_text())
     assert code == 1 and not record["passed"]
     first = record["first_divergence"]

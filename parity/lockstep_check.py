@@ -1,0 +1,182 @@
+"""Holding one lockstep step to its tolerances (`goldens.tolerances.LOCKSTEP_*`).
+
+Both sides start from the same state, so each gap is one step's rounding, not compounded chaos:
+- every metric and each MoE layer's LB and router z-loss: relative gap <= LOCKSTEP_METRIC; the
+  skip decision equal;
+- routing: each MoE layer's expert counts; a near-tie may send a token slot to another expert on
+  one side (at most LOCKSTEP_REROUTED_TOKENS a layer), and that step's tensors are held to
+  LOCKSTEP_REROUTED instead of LOCKSTEP_ROUTED_ALIKE;
+- every parameter tensor: its gradient before clipping and the whole step's update
+  p(s + 1) - p(s); then the JAX optimizer alone on OLMo-core's gradients, its update and Adam's
+  moments. Each gap is |ours - OLMo-core's| over OLMo-core's norm, floored at
+  LOCKSTEP_SMALL_TENSOR_FLOOR times the same quantity's norm over the whole model (a few KDA gate
+  tensors carry gradients 1e-6 of the whole: their own norm would measure rounding alone). The
+  whole step's update is loose: Adam turns the rounding of gradients near its eps into full-size
+  updates. The optimizer alone is tight: it sees the same gradients;
+- OLMo-core's own metrics against the golden trace's (the free-running check: equal on the CPU
+  that made the trace, within its one-ulp envelope on another).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from goldens.tolerances import (
+    LOCKSTEP_METRIC,
+    LOCKSTEP_REROUTED,
+    LOCKSTEP_REROUTED_TOKENS,
+    LOCKSTEP_ROUTED_ALIKE,
+    LOCKSTEP_SMALL_TENSOR_FLOOR,
+    LockstepTensors,
+)
+from model.train_step import AUX_TERMS, METRICS
+from parity.compare import block_of, checked, compare_step, divergence
+from parity.lockstep import OlmoCoreStep, StepResult, Tensors
+from parity.records import (
+    LockstepDivergence,
+    LockstepRecord,
+    LockstepStep,
+    LockstepTolerances,
+    Skipped,
+    TensorGaps,
+)
+from parity.trace import GoldenTrace
+
+TENSOR_KINDS = {
+    "grad": "grad",
+    "update": "update",
+    "optimizer_update": "optimizer",
+    "exp_avg": "optimizer",
+    "exp_avg_sq": "optimizer",
+}
+"""Each tensor gap of `TensorGaps` ("<kind>_rel_gap") -> its field of `LockstepTensors`."""
+ROUNDINGS = 2
+"""Float32 roundings of a parameter per OLMo-core AdamW step (`update_gaps`)."""
+TOLERANCES = LockstepTolerances(
+    LOCKSTEP_METRIC,
+    LOCKSTEP_ROUTED_ALIKE,
+    LOCKSTEP_REROUTED,
+    LOCKSTEP_REROUTED_TOKENS,
+    LOCKSTEP_SMALL_TENSOR_FLOOR,
+)
+
+
+def _floored(diff: dict[str, float], norm: dict[str, float]) -> dict[str, float]:
+    """diff / max(norm, floor x the norm over every tensor), per tensor."""
+    floor = LOCKSTEP_SMALL_TENSOR_FLOOR * float(np.sqrt(sum(v**2 for v in norm.values())))
+    return {n: diff[n] / max(norm[n], floor, np.finfo(float).tiny) for n in norm}
+
+
+def _norm(x) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64)))
+
+
+def tensor_gaps(ours: Tensors, golden: Tensors) -> dict[str, float]:
+    """|ours - golden| / |golden| per tensor, that norm floored (`_floored`)."""
+    diff = {n: _norm(np.asarray(ours[n], np.float64) - golden[n]) for n in golden}
+    return _floored(diff, {n: _norm(g) for n, g in golden.items()})
+
+
+def update_gaps(before: Tensors, ours: Tensors, golden: Tensors) -> dict[str, float]:
+    """The gap of the updates p(s + 1) - p(s) per tensor. OLMo-core rounds p to float32 twice a
+    step (the decay p (1 - lr wd) in place, then the Adam step), we once, so an element's new
+    values may differ by ROUNDINGS ulps of p whatever the updates were (p = 2.7 and an update of
+    6.6e-5: one ulp is 0.4% of it); each element's gap is what exceeds them."""
+    diff = {}
+    for n, g in golden.items():
+        allowed = ROUNDINGS * np.spacing(np.abs(g))
+        excess = np.abs(np.asarray(ours[n], np.float64) - g) - allowed
+        diff[n] = _norm(np.maximum(excess, 0.0))
+    return _floored(
+        diff, {n: _norm(np.asarray(g, np.float64) - before[n]) for n, g in golden.items()}
+    )
+
+
+def tokens_rerouted(ours, golden) -> list[int]:
+    """Per MoE layer, the token slots one side sent elsewhere: half the L1 distance between the
+    expert counts [layers, E] (one slot moved changes two counts by one)."""
+    moved = np.abs(np.asarray(ours, np.int64) - np.asarray(golden, np.int64)).sum(-1) // 2
+    return moved.tolist()
+
+
+def tensor_tolerances(rerouted: list[int]) -> LockstepTensors:
+    return LOCKSTEP_REROUTED if any(rerouted) else LOCKSTEP_ROUTED_ALIKE
+
+
+def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> LockstepStep:
+    golden = oc.result
+    metrics = {
+        name: checked(ours.metrics[name], golden.metrics[name], 0.0, LOCKSTEP_METRIC)
+        for name in METRICS
+    }
+    layers = {
+        name: checked(
+            ours.metrics[f"{name}_per_layer"],
+            golden.metrics[f"{name}_per_layer"],
+            np.zeros(len(golden.metrics[f"{name}_per_layer"])),
+            LOCKSTEP_METRIC,
+        )
+        for name in AUX_TERMS
+    }
+    before, alone = oc.before.params, ours.optimizer_alone
+    gaps = {
+        "grad": tensor_gaps(ours.grads, golden.grads),
+        "update": update_gaps(before, ours.after.params, golden.after.params),
+        "optimizer_update": update_gaps(before, alone.params, golden.after.params),
+        "exp_avg": tensor_gaps(alone.exp_avg, golden.after.exp_avg),
+        "exp_avg_sq": tensor_gaps(alone.exp_avg_sq, golden.after.exp_avg_sq),
+    }
+    tensors = {n: TensorGaps(*(gaps[kind][n] for kind in TENSOR_KINDS)) for n in golden.grads}
+    is_trace = None
+    if oc.step <= trace.steps:
+        is_trace = (
+            divergence(trace, compare_step(trace, oc.step, golden.metrics, free=True)) is None
+        )
+    skipped = Skipped(bool(ours.metrics["skipped"]), bool(golden.metrics["skipped"]))
+    rerouted = tokens_rerouted(ours.metrics["expert_counts"], golden.metrics["expert_counts"])
+    return LockstepStep(oc.step, metrics, layers, skipped, rerouted, tensors, is_trace)
+
+
+def _over(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
+    """Everything over its tolerance at this step."""
+    s, out = check.step, []
+    for name, c in check.metrics.items():
+        if not c.ok:
+            out.append(LockstepDivergence(s, "metric", name, None, c.rel_gap, c.tolerance))
+    for name, c in check.layers.items():
+        for i, ok in enumerate(c.ok):
+            if not ok:
+                block = trace.moe_blocks[i]
+                out.append(
+                    LockstepDivergence(s, "layer", name, block, c.rel_gap[i], c.tolerance[i])
+                )
+    for i, moved in enumerate(check.tokens_rerouted):
+        if moved > LOCKSTEP_REROUTED_TOKENS:
+            block = trace.moe_blocks[i]
+            out.append(
+                LockstepDivergence(
+                    s, "routing", "tokens rerouted", block, moved, LOCKSTEP_REROUTED_TOKENS
+                )
+            )
+    if check.skipped.ours != check.skipped.golden:
+        out.append(LockstepDivergence(s, "skipped", "skipped", None, 1.0, 0.0))
+    bounds = tensor_tolerances(check.tokens_rerouted)
+    for name, t in check.tensors.items():
+        for kind, field in TENSOR_KINDS.items():
+            gap, tol = getattr(t, f"{kind}_rel_gap"), getattr(bounds, field)
+            if gap > tol:
+                out.append(LockstepDivergence(s, kind, name, block_of(name), gap, tol))
+    if check.olmo_core_is_trace is False:
+        out.append(LockstepDivergence(s, "trace", "OLMo-core vs the trace", None, np.inf, 0.0))
+    return out
+
+
+def over_tolerance(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
+    """What is over its tolerance at this step, farthest over first."""
+    ratio = lambda d: np.inf if d.tolerance == 0 else d.rel_gap / d.tolerance  # noqa: E731
+    return sorted(_over(trace, check), key=ratio, reverse=True)
+
+
+def lockstep_record(trace: GoldenTrace, steps: list[LockstepStep]) -> LockstepRecord:
+    first = next((o[0] for o in (over_tolerance(trace, s) for s in steps) if o), None)
+    return LockstepRecord(steps, first, TOLERANCES)

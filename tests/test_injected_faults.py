@@ -1,0 +1,34 @@
+"""The four faults of tests/lockstep_faults.py injected into the JAX side (`tox -e slow`): lockstep
+names each at its first step (the step, the kind of gap, the metric or tensor), and the
+free-running view over the trace's 50 steps with the same fault passes: it misses it."""
+
+import pytest
+
+from parity.compare import free_running_record
+from parity.lockstep import lockstep
+from parity.lockstep_check import check_step, lockstep_record
+from parity.run import Run, free_running, release_compiled
+from parity.trace import load_trace
+from tests.lockstep_faults import FAULTS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", FAULTS)
+def test_lockstep_names_the_fault_free_running_misses(fault):
+    trace, expected = load_trace(), FAULTS[fault]
+    run = Run(trace.config, fault=expected.fault)
+    checks = []
+    lockstep(
+        trace,
+        run,
+        steps=expected.fault.first,
+        on_step=lambda oc, ours: checks.append(check_step(trace, oc, ours)),
+    )
+    first = lockstep_record(trace, checks).first_divergence
+    assert first is not None and first.step == expected.fault.first, first
+    assert first.kind in expected.kinds, first
+    assert expected.name is None or first.name == expected.name, first
+    rows, params = free_running(trace, run, steps=trace.steps, on_step=lambda *_: None)
+    release_compiled()
+    missed = free_running_record(trace, rows, params, flags="olmo_core")
+    assert missed.passed, f"free-running saw it: {missed.first_divergence}"
