@@ -233,15 +233,16 @@ def _micro_batches(trace: GoldenTrace, run: Run, olmo_core: OlmoCoreStep) -> dic
     return {**batch, "pool_draws": olmo_core.pool_draws}
 
 
-def jax_step(trace: GoldenTrace, run: Run, olmo_core: OlmoCoreStep) -> StepResult:
+def jax_step(trace: GoldenTrace, run: Run, model, olmo_core: OlmoCoreStep) -> StepResult:
     """The JAX side's step from OLMo-core's state before it: the whole step, and its optimizer
     alone on OLMo-core's gradients (so an update is compared without the gradients' rounding,
-    which Adam scales up where a gradient is near its eps)."""
+    which Adam scales up where a gradient is near its eps). `model`: (graphdef, a state) of the
+    run's model, whose values are not read."""
     cfg, step, before = run.config, olmo_core.step, olmo_core.before
-    graphdef, params = nnx.split(from_olmo_core(before.params, cfg.model, flags=cfg.flags))
-
+    graphdef, template = model
     entries = model_entries(cfg.model)
-    load = lambda tensors: like_params(tensors, params, entries)  # noqa: E731
+    load = lambda tensors: like_params(tensors, template, entries)  # noqa: E731
+    params = load(before.params)
     opt_state = optim.resume(
         params,
         cfg,
@@ -257,8 +258,8 @@ def jax_step(trace: GoldenTrace, run: Run, olmo_core: OlmoCoreStep) -> StepResul
     _, update, _ = step_parts(run, graphdef, step)
     golden_grads = load(olmo_core.result.grads)
     ce = jnp.asarray(olmo_core.result.metrics["ce"], jnp.float32)
-    alone = update(params, golden_grads, opt_state, step=state.step, loss=ce)
-    alone = ts.TrainState(alone[0], alone[1], state.step + 1)
+    alone, alone_opt, _ = update(params, golden_grads, opt_state, step=state.step, loss=ce)
+    alone = ts.TrainState(alone, alone_opt, state.step + 1)
     metrics = {k: np.asarray(v).tolist() for k, v in metrics.items()}
     return StepResult(_ours(grads, cfg), _state(after, cfg), metrics, _state(alone, cfg))
 
@@ -269,9 +270,11 @@ def lockstep(
     """Steps 1..`steps` in lockstep; `on_step(olmo_core, ours)` after each."""
     if run.devices != 1:
         raise ValueError("lockstep runs the JAX side on one device")
+    cfg = run.config
+    model = nnx.split(from_olmo_core(trace.params(0), cfg.model, flags=cfg.flags))
 
     def step(olmo_core: OlmoCoreStep) -> None:
-        on_step(olmo_core, jax_step(trace, run, olmo_core))
+        on_step(olmo_core, jax_step(trace, run, model, olmo_core))
         # a step's modules and states sit in reference cycles: freed now, not ~45 MB a step later
         gc.collect()
 

@@ -1,11 +1,11 @@
 """Holding one lockstep step to its tolerances (`goldens.tolerances.LOCKSTEP_*`).
 
 Both sides start from the same state, so each gap is one step's rounding, not compounded chaos:
-- every metric and each MoE layer's LB and router z-loss: relative gap <= LOCKSTEP_METRIC; the
-  skip decision equal;
 - routing: each MoE layer's expert counts; a near-tie may send a token slot to another expert on
-  one side (at most LOCKSTEP_REROUTED_TOKENS a layer), and that step's tensors are held to
-  LOCKSTEP_REROUTED instead of LOCKSTEP_ROUTED_ALIKE;
+  one side (at most LOCKSTEP_REROUTED_TOKENS a layer), and that step is held to
+  LOCKSTEP_REROUTED instead of LOCKSTEP_ROUTED_ALIKE (`bounds`);
+- every metric and each MoE layer's LB and router z-loss: its relative gap; the skip decision
+  equal;
 - every parameter tensor: its gradient before clipping and the whole step's update
   p(s + 1) - p(s); then the JAX optimizer alone on OLMo-core's gradients, its update and Adam's
   moments. Each gap is |ours - OLMo-core's| over OLMo-core's norm, floored at
@@ -22,12 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from goldens.tolerances import (
-    LOCKSTEP_METRIC,
     LOCKSTEP_REROUTED,
     LOCKSTEP_REROUTED_TOKENS,
     LOCKSTEP_ROUTED_ALIKE,
     LOCKSTEP_SMALL_TENSOR_FLOOR,
-    LockstepTensors,
+    LockstepBounds,
 )
 from model.train_step import AUX_TERMS, METRICS
 from parity.compare import block_of, checked, compare_step, divergence
@@ -49,11 +48,10 @@ TENSOR_KINDS = {
     "exp_avg": "optimizer",
     "exp_avg_sq": "optimizer",
 }
-"""Each tensor gap of `TensorGaps` ("<kind>_rel_gap") -> its field of `LockstepTensors`."""
+"""Each tensor gap of `TensorGaps` ("<kind>_rel_gap") -> its field of `LockstepBounds`."""
 ROUNDINGS = 2
 """Float32 roundings of a parameter per OLMo-core AdamW step (`update_gaps`)."""
 TOLERANCES = LockstepTolerances(
-    LOCKSTEP_METRIC,
     LOCKSTEP_ROUTED_ALIKE,
     LOCKSTEP_REROUTED,
     LOCKSTEP_REROUTED_TOKENS,
@@ -99,22 +97,24 @@ def tokens_rerouted(ours, golden) -> list[int]:
     return moved.tolist()
 
 
-def tensor_tolerances(rerouted: list[int]) -> LockstepTensors:
+def bounds(rerouted: list[int]) -> LockstepBounds:
+    """The step's bounds: LOCKSTEP_REROUTED where a MoE layer rerouted a token slot."""
     return LOCKSTEP_REROUTED if any(rerouted) else LOCKSTEP_ROUTED_ALIKE
 
 
 def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> LockstepStep:
     golden = oc.result
+    rerouted = tokens_rerouted(ours.metrics["expert_counts"], golden.metrics["expert_counts"])
+    bar = bounds(rerouted).metric
     metrics = {
-        name: checked(ours.metrics[name], golden.metrics[name], 0.0, LOCKSTEP_METRIC)
-        for name in METRICS
+        name: checked(ours.metrics[name], golden.metrics[name], 0.0, bar) for name in METRICS
     }
     layers = {
         name: checked(
             ours.metrics[f"{name}_per_layer"],
             golden.metrics[f"{name}_per_layer"],
             np.zeros(len(golden.metrics[f"{name}_per_layer"])),
-            LOCKSTEP_METRIC,
+            bar,
         )
         for name in AUX_TERMS
     }
@@ -133,7 +133,6 @@ def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> Lockst
             divergence(trace, compare_step(trace, oc.step, golden.metrics, free=True)) is None
         )
     skipped = Skipped(bool(ours.metrics["skipped"]), bool(golden.metrics["skipped"]))
-    rerouted = tokens_rerouted(ours.metrics["expert_counts"], golden.metrics["expert_counts"])
     return LockstepStep(oc.step, metrics, layers, skipped, rerouted, tensors, is_trace)
 
 
@@ -160,10 +159,10 @@ def _over(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
             )
     if check.skipped.ours != check.skipped.golden:
         out.append(LockstepDivergence(s, "skipped", "skipped", None, 1.0, 0.0))
-    bounds = tensor_tolerances(check.tokens_rerouted)
+    step_bounds = bounds(check.tokens_rerouted)
     for name, t in check.tensors.items():
         for kind, field in TENSOR_KINDS.items():
-            gap, tol = getattr(t, f"{kind}_rel_gap"), getattr(bounds, field)
+            gap, tol = getattr(t, f"{kind}_rel_gap"), getattr(step_bounds, field)
             if gap > tol:
                 out.append(LockstepDivergence(s, kind, name, block_of(name), gap, tol))
     if check.olmo_core_is_trace is False:

@@ -163,9 +163,10 @@ class LockstepDivergence:
 
 @dataclass(frozen=True)
 class LockstepTolerances:
-    metric: float
+    """`goldens.tolerances.LockstepBounds` of a step whose expert counts agree and of one where
+    a token slot went elsewhere; the most slots rerouted a layer; the small-tensor floor."""
+
     routed_alike: Any
-    """`goldens.tolerances.LockstepTensors` of a step whose expert counts agree."""
     rerouted: Any
     rerouted_tokens: int
     small_tensor_floor: float
