@@ -119,7 +119,7 @@ def _lockstep(args, trace: GoldenTrace, setup: Run, steps: int, console: Console
             check = check_step(trace, olmo_core, ours)
             checks.append(check)
             over = over_tolerance(trace, check)
-            for line in report.worst_tensors(check, over):
+            for line in report.failing_step(check, over):
                 progress.console.print(line)
             add(check, f"CE gap {check.metrics['ce'].rel_gap:.1e}")
 

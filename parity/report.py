@@ -121,7 +121,7 @@ def _describe(d: LockstepDivergence) -> str:
     return f"{what} {d.rel_gap:.2e} > {d.tolerance:.1e}"
 
 
-def worst_tensors(check: LockstepStep, over: list[LockstepDivergence]) -> list[str]:
+def failing_step(check: LockstepStep, over: list[LockstepDivergence]) -> list[str]:
     """For a failing step, its WORST_SHOWN farthest over tolerance; nothing for a passing one."""
     if not over:
         return []

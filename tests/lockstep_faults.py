@@ -1,5 +1,8 @@
 """The faults the lockstep tests inject into the JAX side (`parity.faults`), each with the step and
-the kind of gap lockstep must name. Each is below the free-running tolerance at its step."""
+the kind of gap lockstep must name, and whether the free-running view misses it. The issue's four
+were meant to lie below free-running's tolerance at their step; the LB weight 1% high from step 7
+does not (free-running's LB tolerance there is 2.4e-3: the bar, or 70x OLMo-core's own spread),
+so the same fault from step 10 (tolerance 3.4e-2) is the one free-running misses."""
 
 from dataclasses import dataclass
 
@@ -17,11 +20,18 @@ class Expected:
     """What lockstep may name as farthest over at the fault's first step."""
     name: str | None
     """The metric or tensor it must name (None: any tensor of those kinds)."""
+    free_running_misses: bool = True
 
 
 FAULTS = {
     "lb_weight_1.01x_from_7": Expected(
         InjectedFault(7, train=(("lb_loss_weight", TrainConfig.lb_loss_weight * 1.01),)),
+        frozenset({"metric", "layer"}),
+        "lb_loss",
+        free_running_misses=False,
+    ),
+    "lb_weight_1.01x_from_10": Expected(
+        InjectedFault(10, train=(("lb_loss_weight", TrainConfig.lb_loss_weight * 1.01),)),
         frozenset({"metric", "layer"}),
         "lb_loss",
     ),
