@@ -196,7 +196,7 @@ def test_bfloat16_params_stay_float32_and_run(fp32_model, bf16_model):
 def test_bfloat16_matmuls(bf16_model):
     """In the training objective (`model.objective`), every linear layer, expert matmul and the
     LM head multiply bfloat16 by bfloat16; attention, KDA and the router stay float32; no
-    matmul mixes dtypes. The terms come back float32."""
+    matmul mixes dtypes. The losses come back float32 (the expert counts int32)."""
     cfg = dataclasses.replace(olmo_core(micro()), model=_config("bfloat16"))
     graphdef, state = nnx.split(bf16_model)
     batch = _batch()
@@ -217,4 +217,11 @@ def test_bfloat16_matmuls(bf16_model):
     linears = sum(isinstance(m, nnx.Linear) for _, m in nnx.iter_graph(bf16_model))
     experts = 2 * 2 + 2  # two SharedExperts (dense block 0, shared expert of block 1), routed
     assert matmuls["bfloat16", "bfloat16", "bfloat16"] == linears + experts
-    assert _dtypes(jaxpr.out_avals) == {"float32"}
+    shapes = jax.eval_shape(terms, state, micro_batch, jnp.float32(B * T))
+    assert {k: str(v.dtype) for k, v in shapes.items()} == {
+        "ce": "float32",
+        "z_loss": "float32",
+        "lb_loss": "float32",
+        "router_z_loss": "float32",
+        "expert_counts": "int32",
+    }
