@@ -67,13 +67,11 @@ WORST_SHOWN = 5
 """Tensors printed for a failing lockstep step."""
 
 
-def _tensor_ratios(step: LockstepStep, kind: str) -> list[tuple[float, float, str]]:
-    """(gap / tolerance, gap, tensor) of every tensor for one `TensorGaps` kind."""
+def _tensor_ratios(step: LockstepStep, kind: str) -> list[tuple[float, float, float, str]]:
+    """(gap / tolerance, gap, tolerance, tensor) of every tensor for one `TensorGaps` kind."""
     tol = getattr(bounds(step.tokens_rerouted), TENSOR_KINDS[kind])
-    return [
-        (getattr(t, f"{kind}_rel_gap") / tol, getattr(t, f"{kind}_rel_gap"), n)
-        for n, t in step.tensors.items()
-    ]
+    gaps = ((getattr(t, f"{kind}_rel_gap"), n) for n, t in step.tensors.items())
+    return [(gap / tol, gap, tol, n) for gap, n in gaps]
 
 
 def lockstep_table(steps: list[LockstepStep], *, title: str) -> Group:
@@ -99,8 +97,9 @@ def lockstep_table(steps: list[LockstepStep], *, title: str) -> Group:
     for column in ("tensor gap", "nearest its tolerance", "gap", "step", "tol", ""):
         tensors.add_column(column, justify="right" if column in ("gap", "step", "tol") else "left")
     for kind in TENSOR_KINDS:
-        ratio, gap, name, step = max((*r, s.step) for s in steps for r in _tensor_ratios(s, kind))
-        row = (TENSOR_LABELS[kind], name, f"{gap:.2e}", str(step), f"{gap / ratio:.1e}")
+        worst = max((*r, s.step) for s in steps for r in _tensor_ratios(s, kind))
+        ratio, gap, tol, name, step = worst
+        row = (TENSOR_LABELS[kind], name, f"{gap:.2e}", str(step), f"{tol:.1e}")
         tensors.add_row(*row, mark(ratio <= 1))
     return Group(metrics, tensors)
 
