@@ -148,6 +148,12 @@ def load_olmo_core(module: nnx.Module, state_dict: Mapping, entries: list[Entry]
     nnx.update(module, nested)
 
 
+def param_path(tree_path: tuple) -> tuple:
+    """The `Entry.path` of a leaf of a params state, from its `jax.tree_util` key path (the
+    state's keys; the last key is the Variable's value)."""
+    return tuple(getattr(k, "key", None) for k in tree_path[:-1])
+
+
 def like_params(state_dict: Mapping, params: nnx.State, entries: list[Entry]) -> nnx.State:
     """Tensors shaped like OLMo-core's params (Adam moments, gradients), keyed as its state dict,
     as a state like `params` (each in its param's layout and dtype; a new state, `params` is
@@ -155,7 +161,7 @@ def like_params(state_dict: Mapping, params: nnx.State, entries: list[Entry]) ->
     by_path = {e.path: e for e in entries}
 
     def convert(path, leaf):
-        entry = by_path[tuple(getattr(k, "key", None) for k in path[:-1])]
+        entry = by_path[param_path(path)]
         value = _to_ours(_numpy(state_dict[entry.torch_key], leaf.dtype), entry.layout)
         if value.shape != leaf.shape:
             raise ValueError(f"{entry.torch_key}: shape {value.shape}, expected {leaf.shape}")

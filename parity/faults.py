@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from model.config import Config
-from model.convert import model_entries
+from model.convert import model_entries, param_path
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,6 @@ class InjectedFault:
             raise KeyError(f"InjectedFault.grad_scale: no OLMo-core parameter {name!r}")
 
         def scale(path, g):
-            keys = tuple(getattr(k, "key", None) for k in path[:-1])
-            return g * factor if keys == paths[name] else g
+            return g * factor if param_path(path) == paths[name] else g
 
         return jax.tree_util.tree_map_with_path(scale, grads)
