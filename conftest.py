@@ -33,6 +33,11 @@ settings.register_profile("gate", deadline=None, derandomize=True, print_blob=Tr
 settings.load_profile("gate")
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked `longest` first (stable otherwise): xdist hands out modules in this order."""
+    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+
+
 @pytest.fixture(scope="session")
 def golden():
     """`golden("<path in goldens/>")` -> verified `Golden`; fails the test if missing or stale."""

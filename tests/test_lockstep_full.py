@@ -1,5 +1,5 @@
-"""Lockstep over the data's whole first epoch (`tox -e slow`): every step of it within tolerance on
-every metric, MoE layer and tensor."""
+"""Lockstep over the data's whole first epoch (`tox -e slow`, about 19 minutes, scheduled first):
+every step of it within tolerance on every metric, MoE layer and tensor."""
 
 import json
 
@@ -10,6 +10,7 @@ from parity.trace import load_trace
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_the_whole_first_epoch_passes(tmp_path):
     epoch = load_trace().data.num_batches
     code = replay.main(["--steps", str(epoch), "--out", str(tmp_path), "--window", "50"])
