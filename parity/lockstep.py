@@ -77,8 +77,6 @@ class OlmoCoreStep:
     """[global batch, T] the batch OLMo-core's loader gave."""
     pool_draws: np.ndarray
     """[GA, b, MoE layers, T] OLMo-core's EMO draws (document d of a row in column d)."""
-    trace_metrics: Metrics
-    """The metrics as the golden trace names them (for the check against the trace)."""
 
 
 def _local(tensor) -> np.ndarray:
@@ -146,17 +144,16 @@ def record_expert_counts(model, on_counts: Callable[[np.ndarray], None]) -> None
         router.register_forward_hook(hook, with_kwargs=True)
 
 
-def _olmo_core_metrics(raw: dict, step: int) -> tuple[Metrics, Metrics]:
-    """One step's recorded metrics -> (ours: `train_step`'s names, per layer in MoE order;
-    the trace's names: `goldens.trace.trace_metrics`)."""
+def _olmo_core_metrics(raw: dict, step: int) -> Metrics:
+    """One step's recorded metrics (OLMo-core's names, as the golden trace reads them:
+    `goldens.trace.trace_metrics`) under `train_step`'s names, per layer in MoE order."""
     _, named = trace_metrics({step: raw}, range(step, step + 1))
-    row = {k: np.asarray(v[0]).tolist() for k, v in named.items()}
     ours = {
         k.removesuffix("_per_block") + ("_per_layer" if k.endswith("_per_block") else ""): v
-        for k, v in row.items()
+        for k, v in ((k, np.asarray(v[0]).tolist()) for k, v in named.items())
     }
     ours["skipped"] = bool(ours["skipped"])
-    return ours, row
+    return ours
 
 
 def run_olmo_core(trace: GoldenTrace, steps: int, on_step: Callable[[OlmoCoreStep], None]) -> None:
@@ -188,14 +185,14 @@ def run_olmo_core(trace: GoldenTrace, steps: int, on_step: Callable[[OlmoCoreSte
         def post_step(self):
             step = self.step
             raw = {k: float(v) for k, v in self.trainer._metrics[step].items()}
-            ours, named = _olmo_core_metrics(raw, step)
+            ours = _olmo_core_metrics(raw, step)
             ga, layers = cfg.train.ga_steps, len(draws) // cfg.train.ga_steps
             stacked = np.stack(draws).reshape(ga, layers, *draws[0].shape)  # [GA, L, b, T]
             pool_draws = stacked.transpose(0, 2, 1, 3).astype(np.int32)
             ours["expert_counts"] = np.stack(counts).reshape(ga, layers, -1).sum(0).tolist()
             self.after = side.state()
             result = StepResult(side.grads, self.after, ours)
-            on_step(OlmoCoreStep(step, self.before, result, self.input_ids, pool_draws, named))
+            on_step(OlmoCoreStep(step, self.before, result, self.input_ids, pool_draws))
 
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
         fit(cfg, module, Path(tmp), steps=steps, callbacks={"lockstep": Lockstep()})
