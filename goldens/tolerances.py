@@ -280,7 +280,7 @@ LOCKSTEP_REROUTED = LockstepBounds(metric=1e-3, grad=4e-1, update=2e-1, optimize
 """A step where a near-tie sent one token slot to another expert in JAX than in OLMo-core (steps
 25, 26, 51, 68, 223, 248 of the epoch, one slot each). That layer's expert gradients change by
 what one token contributes. Measured: gradients 3.1e-2 (block 5's latent_up_proj, step 248;
-1/13), the update 1.7e-2 (1/12), metrics 4.9e-5 (grad norm, step 248; 1/20), the optimizer alone
+1/13), the update 1.7e-2 (1/11), metrics 4.9e-5 (grad norm, step 248; 1/20), the optimizer alone
 1.9e-7."""
 LOCKSTEP_REROUTED_TOKENS = 10
 """Lockstep: most token slots a MoE layer may send elsewhere than OLMo-core in one step.
