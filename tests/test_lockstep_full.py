@@ -1,4 +1,4 @@
-"""Lockstep over the data's whole first epoch (`tox -e slow`, about 19 minutes, scheduled first):
+"""Lockstep over the data's whole first epoch (`tox -e slow`, 19-22 minutes, scheduled first):
 every step of it within tolerance on every metric, MoE layer and tensor."""
 
 import json
