@@ -89,14 +89,18 @@ class Attention(nnx.Module):
     ):
         self.config, self.ignore_segment_ids = config, ignore_segment_ids
         H, Hkv, D = config.n_heads, config.n_kv_heads, config.head_dim
-        self.w_q = linear(d_model, H * D, std, rngs, dtype=dtype)
-        self.w_k = linear(d_model, Hkv * D, std, rngs, dtype=dtype)
-        self.w_v = linear(d_model, Hkv * D, std, rngs, dtype=dtype)
-        self.w_g = linear(d_model, H * D, std, rngs, dtype=dtype)
-        self.w_out = linear(H * D, d_model, std, rngs, dtype=dtype)
-        self.q_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(H, D), dtype=dtype)
-        self.k_norm = RMSNorm(D, eps=config.qk_norm_eps, weight_shape=(Hkv, D), dtype=dtype)
-        self.ssmax_scale = nnx.Param(jnp.ones((H,), full_precision(dtype)))
+        self.w_q = linear(d_model, H * D, std, rngs, axes=("embed", "heads"), dtype=dtype)
+        self.w_k = linear(d_model, Hkv * D, std, rngs, axes=("embed", "heads"), dtype=dtype)
+        self.w_v = linear(d_model, Hkv * D, std, rngs, axes=("embed", "heads"), dtype=dtype)
+        self.w_g = linear(d_model, H * D, std, rngs, axes=("embed", "heads"), dtype=dtype)
+        self.w_out = linear(H * D, d_model, std, rngs, axes=("heads", "embed"), dtype=dtype)
+        self.q_norm = RMSNorm(
+            D, eps=config.qk_norm_eps, weight_shape=(H, D), axes=("heads", "kv"), dtype=dtype
+        )
+        self.k_norm = RMSNorm(
+            D, eps=config.qk_norm_eps, weight_shape=(Hkv, D), axes=("heads", "kv"), dtype=dtype
+        )
+        self.ssmax_scale = nnx.Param(jnp.ones((H,), full_precision(dtype)), logical_axes=("heads",))
 
     def qkv(
         self, x: jax.Array, segment_ids: jax.Array | None = None

@@ -7,8 +7,10 @@ multiplies them by their weights and combines the layers (`Flags.moe_aux_loss_re
 
 D is `loss_div_factor`, B*T when None; OLMo-core's trainer passes the number of labelled tokens
 of the whole batch (all micro-batches; with data parallelism, that count over the devices), so the
-per-micro-batch losses add up to the batch's. Global load balancing averages the counts over the
-data devices (`axis_name`).
+per-micro-batch losses add up to the batch's. OLMo-core's global load balancing averages the counts
+over the data-parallel ranks, each rank's loss taking its own tokens' scores: summed over the ranks
+that is this loss on the whole batch. Without it each rank balances its own rows:
+`grouped_load_balancing_loss`.
 """
 
 from __future__ import annotations
@@ -34,23 +36,38 @@ def load_balancing_loss(
     *,
     top_k: int,
     loss_div_factor=None,
-    axis_name: str | None = None,
 ) -> jax.Array:
     """Switch-style load-balancing loss of one layer (OLMo-core `local_batch` granularity).
 
     expert_scores: [B, T, E] full-precision router probabilities over all experts;
-    expert_counts: [E] token slots of the chosen experts (no gradient). With `axis_name` (inside
-    `shard_map`, the data axis; `Flags.moe_global_load_balancing`, OLMo-core
-    `global_load_balancing`) the counts are summed over that axis and divided by its size: every
-    device balances against the global counts, while its scores stay local. Returns a scalar.
+    expert_counts: [E] token slots of the chosen experts (no gradient). Returns a scalar.
     """
     E = expert_scores.shape[-1]
     counts = jax.lax.stop_gradient(expert_counts).astype(expert_scores.dtype)
-    if axis_name is not None:
-        counts = jax.lax.pmean(counts, axis_name)
     mean_scores = jnp.mean(expert_scores.reshape(-1, E), axis=0)  # shape: [B*T, E] -> [E]
     loss = jnp.dot(counts, mean_scores) / _div_factor(expert_scores.shape, loss_div_factor)
     return E / top_k * loss
+
+
+def grouped_load_balancing_loss(
+    expert_scores: jax.Array, indices: jax.Array, *, groups: int, top_k: int, loss_div_factor=None
+) -> jax.Array:
+    """The rows split into `groups` equal blocks (the devices' rows), each balanced on its own
+    counts, as MaxText's per-device load balancing: [groups] losses, each divided by the whole
+    batch's `loss_div_factor`. expert_scores [B, T, E]; indices [B, T, k]."""
+    B, T, E = expert_scores.shape
+    if B % groups:
+        raise ValueError(f"{B} rows do not split into {groups} load-balancing groups")
+    div = B * T if loss_div_factor is None else loss_div_factor
+
+    def one(scores, chosen):
+        counts = expert_counts(chosen, E)
+        return load_balancing_loss(scores, counts, top_k=top_k, loss_div_factor=div)
+
+    return jax.vmap(one)(
+        expert_scores.reshape(groups, B // groups, T, E),
+        indices.reshape(groups, B // groups, T, -1),
+    )
 
 
 def router_z_loss(router_logits: jax.Array, *, loss_div_factor=None) -> jax.Array:

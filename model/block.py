@@ -13,6 +13,8 @@ keeps them at block level, `model.convert` maps the two).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 from flax import nnx
 
@@ -22,6 +24,9 @@ from model.kda import KimiDeltaAttention
 from model.moe import LatentMoE, MoEAux, SharedExpert
 from model.norms import RMSNorm
 from model.precision import compute_dtype
+
+if TYPE_CHECKING:
+    from model.sharding import Layout
 
 NORMS = ("attention_input_norm", "attention_norm", "feed_forward_input_norm", "feed_forward_norm")
 """The four peri-norms of a block, OLMo-core's names."""
@@ -83,11 +88,12 @@ class Block(nnx.Module):
         document_ids: jax.Array,
         pools: jax.Array | None = None,
         loss_div_factor=None,
-        lb_axis_name: str | tuple[str, ...] | None = None,
+        lb_groups: int = 1,
+        layout: Layout | None = None,
     ) -> tuple[jax.Array, MoEAux | None]:
         """document_ids [B, T] feed the EMO pools and, unless the mixer ignores them, its document
         masking; pools [B, T] per-document pool sizes (None: the eval pool); `loss_div_factor`,
-        `lb_axis_name`: as `LatentMoE`."""
+        `lb_groups`, `layout`: as `LatentMoE`."""
         h = x + self.attention_norm(self.attention(self.attention_input_norm(x), document_ids))
         m = self.feed_forward_input_norm(h)
         if not self.is_moe:
@@ -97,6 +103,7 @@ class Block(nnx.Module):
             document_ids=document_ids,
             pools=pools,
             loss_div_factor=loss_div_factor,
-            lb_axis_name=lb_axis_name,
+            lb_groups=lb_groups,
+            layout=layout,
         )
         return h + self.feed_forward_norm(y), aux

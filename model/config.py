@@ -24,6 +24,23 @@ KDA_INVERSES = ("forward_substitution", "newton_schulz", "power_series")
 POSITIONAL_ENCODINGS = ("none",)
 COMPUTE_DTYPES = ("float32", "float64", "bfloat16")
 ROUTER_DTYPES = (None, "bfloat16")
+MESH_AXES = ("data", "fsdp", "expert")
+"""The mesh axes of `model.sharding`: data parallel, fully sharded data parallel, experts."""
+LOGICAL_AXIS_RULES = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("experts", ("expert",)),
+    ("embed", ("fsdp",)),
+    ("mlp", ("fsdp",)),
+    ("latent", ("fsdp",)),
+    ("heads", ("fsdp",)),
+    ("kv", ("fsdp",)),
+    ("vocab", ()),
+    ("length", ()),
+)
+"""Logical axis -> the mesh axes it is split over, as MaxText's `logical_axis_rules`. Rows split
+over every axis (the expert axis shards the batch outside the MoE), routed experts over "expert",
+and every weight over "fsdp" along its first axis that takes it (`model.sharding.Layout.spec`)."""
+REMAT_POLICIES = ("none", "full", "save_matmuls")
 
 
 class _Config:
@@ -425,12 +442,44 @@ class Flags(_Config):
 
 
 @dataclass(frozen=True)
+class ScaleConfig(_Config):
+    """How a run is laid out at scale (no effect on the maths): where each logical axis lives on
+    the mesh, and what each block keeps for the backward pass."""
+
+    logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
+    remat_policy: str = "none"
+    """Per block, as MaxText's `remat_policy`: "none" keeps every activation, "full" keeps only
+    the block's input and recomputes the rest, "save_matmuls" keeps the matmul outputs."""
+
+    def validate(self) -> None:
+        self._require(
+            self.remat_policy in REMAT_POLICIES,
+            "remat_policy",
+            f"must be one of {REMAT_POLICIES}, got {self.remat_policy!r}",
+        )
+        names = [name for name, _ in self.logical_axis_rules]
+        self._require(
+            len(names) == len(set(names)),
+            "logical_axis_rules",
+            f"each logical axis needs one rule, got {names}",
+        )
+        for name, axes in self.logical_axis_rules:
+            unknown = sorted(set(axes) - set(MESH_AXES))
+            self._require(
+                not unknown,
+                "logical_axis_rules",
+                f"{name!r} maps to {unknown}, not mesh axes {MESH_AXES}",
+            )
+
+
+@dataclass(frozen=True)
 class Config(_Config):
-    """A whole run: model, recipe and flags, checked against each other."""
+    """A whole run: model, recipe, flags and layout, checked against each other."""
 
     model: ModelConfig
     train: TrainConfig
     flags: Flags = field(default_factory=Flags)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
 
     def validate(self) -> None:
         eos = self.flags.olmo_segment_ids_from_eos

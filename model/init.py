@@ -26,10 +26,18 @@ def log_uniform(low: float, high: float):
 
 
 def linear(
-    d_in: int, d_out: int, std: float, rngs: nnx.Rngs, *, bias: bool = False, dtype=jnp.float32
+    d_in: int,
+    d_out: int,
+    std: float,
+    rngs: nnx.Rngs,
+    *,
+    axes: tuple[str, str],
+    bias: bool = False,
+    dtype=jnp.float32,
 ) -> nnx.Linear:
     """A linear layer, kernel [in, out] drawn `trunc_normal(std)`, bias (if any) zero; computes in
-    `dtype` (the compute dtype), params in `full_precision(dtype)`."""
+    `dtype` (the compute dtype), params in `full_precision(dtype)`. `axes`: the kernel's logical
+    axis names (`model.sharding`); the bias takes the output's."""
     return nnx.Linear(
         d_in,
         d_out,
@@ -38,4 +46,6 @@ def linear(
         dtype=dtype,
         param_dtype=full_precision(dtype),
         rngs=rngs,
+        kernel_metadata={"logical_axes": axes},
+        bias_metadata={"logical_axes": axes[1:]},
     )

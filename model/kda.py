@@ -42,7 +42,10 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None
 class CausalConv1d(nnx.Module):
     def __init__(self, channels: int, width: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs):
         shape = (channels, width)
-        self.weight = nnx.Param(trunc_normal(std)(rngs.params(), shape, full_precision(dtype)))
+        self.weight = nnx.Param(
+            trunc_normal(std)(rngs.params(), shape, full_precision(dtype)),
+            logical_axes=("heads", None),
+        )
 
     def __call__(self, x, segment_ids=None):
         return causal_conv1d(x, self.weight[...], segment_ids)
@@ -68,21 +71,23 @@ class KimiDeltaAttention(nnx.Module):
         self.config, self.inverse, self.ignore_segment_ids = config, inverse, ignore_segment_ids
         H, dk, dv = config.n_heads, config.head_dim, config.head_v_dim
         p_dtype = full_precision(dtype)
-        self.w_q = linear(d_model, H * dk, std, rngs, dtype=dtype)
-        self.w_k = linear(d_model, H * dk, std, rngs, dtype=dtype)
-        self.w_v = linear(d_model, H * dv, std, rngs, dtype=dtype)
+        self.w_q = linear(d_model, H * dk, std, rngs, axes=("embed", "heads"), dtype=dtype)
+        self.w_k = linear(d_model, H * dk, std, rngs, axes=("embed", "heads"), dtype=dtype)
+        self.w_v = linear(d_model, H * dv, std, rngs, axes=("embed", "heads"), dtype=dtype)
         self.q_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, dtype=dtype, rngs=rngs)
         self.k_conv1d = CausalConv1d(H * dk, config.conv_size, std=std, dtype=dtype, rngs=rngs)
         self.v_conv1d = CausalConv1d(H * dv, config.conv_size, std=std, dtype=dtype, rngs=rngs)
-        self.f_proj_1 = linear(d_model, dv, std, rngs, dtype=dtype)
-        self.f_proj_2 = linear(dv, H * dk, std, rngs, dtype=dtype)
-        self.w_b = linear(d_model, H, std, rngs, dtype=dtype)
-        self.A_log = nnx.Param(log_uniform(1.0, 16.0)(rngs.params(), (H,), p_dtype))
-        self.dt_bias = nnx.Param(jnp.zeros((H * dk,), p_dtype))
-        self.g_proj_1 = linear(d_model, dv, std, rngs, dtype=dtype)
-        self.g_proj_2 = linear(dv, H * dv, std, rngs, bias=True, dtype=dtype)
-        self.o_norm = nnx.Param(jnp.ones((dv,), p_dtype))
-        self.w_out = linear(H * dv, d_model, std, rngs, dtype=dtype)
+        self.f_proj_1 = linear(d_model, dv, std, rngs, axes=("embed", "kv"), dtype=dtype)
+        self.f_proj_2 = linear(dv, H * dk, std, rngs, axes=("kv", "heads"), dtype=dtype)
+        self.w_b = linear(d_model, H, std, rngs, axes=("embed", "heads"), dtype=dtype)
+        self.A_log = nnx.Param(
+            log_uniform(1.0, 16.0)(rngs.params(), (H,), p_dtype), logical_axes=("heads",)
+        )
+        self.dt_bias = nnx.Param(jnp.zeros((H * dk,), p_dtype), logical_axes=("heads",))
+        self.g_proj_1 = linear(d_model, dv, std, rngs, axes=("embed", "kv"), dtype=dtype)
+        self.g_proj_2 = linear(dv, H * dv, std, rngs, axes=("kv", "heads"), bias=True, dtype=dtype)
+        self.o_norm = nnx.Param(jnp.ones((dv,), p_dtype), logical_axes=("kv",))
+        self.w_out = linear(H * dv, d_model, std, rngs, axes=("heads", "embed"), dtype=dtype)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         c = self.config

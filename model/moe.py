@@ -10,8 +10,9 @@ Dropless: every token reaches all its k experts. `routed_experts` sorts the toke
 and runs grouped matmuls (`jax.lax.ragged_dot`, OLMo-core's grouped GEMM); XLA's CPU runs a
 `ragged_dot` as E masked dense matmuls, so on CPU `tiled_routed_experts` pads each expert's slots
 to whole tiles of `TILE_ROWS` and runs one batched matmul over the tiles (`dispatch_for_backend`).
-`naive_routed_experts`, every expert on every token, is the spec of both. The per-layer router
-losses are returned unweighted.
+`naive_routed_experts`, every expert on every token, is the spec of both. An index equal to E marks
+a slot whose expert lives on another device (`model.expert_parallel`): it adds nothing. The
+per-layer router losses are returned unweighted.
 Weights keep OLMo-core's layouts: routed w_up_gate [E, 2H, L], w_down [E, H, L]; shared w_up_gate
 [D, 2H], w_down [1, H, D]; the latent projections are linear kernels [in, out]. The shared expert
 alone is also the dense feed-forward of block 0 (OLMo-core builds it as a shared-experts block).
@@ -19,17 +20,21 @@ alone is also the dense feed-forward of block 0 (OLMo-core builds it as a shared
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.aux_losses import expert_counts, load_balancing_loss, router_z_loss
+from model.aux_losses import expert_counts, grouped_load_balancing_loss, router_z_loss
 from model.config import MoEConfig
+from model.expert_parallel import expert_parallel
 from model.init import linear, trunc_normal
 from model.precision import full_precision
 from model.router import Router, Routing
+
+if TYPE_CHECKING:
+    from model.sharding import Layout
 
 TILE_ROWS = 64
 """Rows of a tile of `tiled_routed_experts`: one expert's token slots, zero-padded."""
@@ -46,10 +51,12 @@ def naive_routed_experts(
 ) -> jax.Array:
     """The spec: every expert on every token, then each token's k results combined.
 
-    z: [N, L]; indices, weights: [N, k]; w_up_gate: [E, 2H, L]; w_down: [E, H, L]. Returns [N, L].
+    z: [N, L]; indices (in [0, E], E: not here), weights: [N, k]; w_up_gate: [E, 2H, L];
+    w_down: [E, H, L]. Returns [N, L].
     """
     h = swiglu(jnp.einsum("nl,ehl->enh", z, w_up_gate))  # shape: [E, N, H]
     out = jnp.einsum("enh,ehl->enl", h, w_down)
+    out = jnp.concatenate([out, jnp.zeros_like(out[:1])])  # shape: [E + 1, N, L], E adds nothing
     chosen = out[indices, jnp.arange(z.shape[0])[:, None]]  # shape: [E, N, L] -> [N, k, L]
     return jnp.sum(weights[..., None] * chosen, axis=1)
 
@@ -58,7 +65,8 @@ def routed_experts(
     z: jax.Array, indices: jax.Array, weights: jax.Array, w_up_gate: jax.Array, w_down: jax.Array
 ) -> jax.Array:
     """Dropless grouped dispatch, same arguments and result as `naive_routed_experts`: token slots
-    sorted by expert (stable), two grouped matmuls, slots put back and summed over k."""
+    sorted by expert (stable), two grouped matmuls, slots put back and summed over k. Slots of
+    index E sort last, outside every group: `ragged_dot` leaves their rows zero."""
     N, k = indices.shape
     E = w_up_gate.shape[0]
     flat = indices.reshape(-1)  # shape: [N*k], slot s = token s // k
@@ -73,17 +81,21 @@ def routed_experts(
 
 def expert_tiles(indices: jax.Array, num_experts: int, tile: int) -> tuple[jax.Array, jax.Array]:
     """Each expert's token slots padded to whole tiles of `tile` rows: (row [N*k] of each slot s =
-    token s // k in the padded layout, an expert's slots in token order; expert [n_tiles] of each
-    tile). n_tiles = ceil(N*k / tile) + E bounds the padding; the spare tiles hold no slot."""
+    token s // k in the padded layout, an expert's slots in token order, n_tiles * tile (past the
+    end) for a slot of index E; expert [n_tiles] of each tile). n_tiles = ceil(N*k / tile) + E
+    bounds the padding; the spare tiles hold no slot."""
     flat = indices.reshape(-1)  # shape: [N*k]
+    here = flat < num_experts
     one_hot = (flat[:, None] == jnp.arange(num_experts)).astype(jnp.int32)  # shape: [N*k, E]
-    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), flat[:, None], axis=1)[:, 0] - 1
+    expert = jnp.where(here, flat, 0)
+    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), expert[:, None], axis=1)[:, 0] - 1
     padded = -(-jnp.sum(one_hot, axis=0) // tile) * tile  # shape: [E]
     ends = jnp.cumsum(padded)
     n_tiles = -(-flat.size // tile) + num_experts
     first_rows = jnp.arange(n_tiles) * tile
     tile_expert = jnp.minimum(jnp.searchsorted(ends, first_rows, side="right"), num_experts - 1)
-    return ends[flat] - padded[flat] + rank, tile_expert
+    rows = jnp.where(here, ends[expert] - padded[expert] + rank, n_tiles * tile)
+    return rows, tile_expert
 
 
 def tiled_routed_experts(
@@ -101,11 +113,12 @@ def tiled_routed_experts(
     N, k = indices.shape
     rows, tile_expert = expert_tiles(indices, w_up_gate.shape[0], tile)
     n_tiles = tile_expert.shape[0]
-    x = jnp.zeros((n_tiles * tile, z.shape[1]), z.dtype).at[rows].set(jnp.repeat(z, k, axis=0))
-    x = x.reshape(n_tiles, tile, -1)
+    x = jnp.zeros((n_tiles * tile, z.shape[1]), z.dtype)
+    x = x.at[rows].set(jnp.repeat(z, k, axis=0), mode="drop").reshape(n_tiles, tile, -1)
     h = swiglu(jnp.einsum("mtl,mhl->mth", x, w_up_gate[tile_expert]))
     out = jnp.einsum("mth,mhl->mtl", h, w_down[tile_expert]).reshape(n_tiles * tile, -1)
-    return jnp.sum(weights[..., None] * out[rows].reshape(N, k, -1), axis=1)
+    slots = out.at[rows].get(mode="fill", fill_value=0).reshape(N, k, -1)
+    return jnp.sum(weights[..., None] * slots, axis=1)
 
 
 def dispatch_for_backend():
@@ -115,7 +128,8 @@ def dispatch_for_backend():
 
 class RoutedExperts(nnx.Module):
     """E SwiGLU experts of hidden H on width L; `__call__(z [B, T, L], routing)` -> [B, T, L].
-    Computes in `dtype` (the compute dtype), params in `full_precision(dtype)`."""
+    Computes in `dtype` (the compute dtype), params in `full_precision(dtype)`. With a `layout`
+    (`model.sharding`) the experts run split over its mesh (`model.expert_parallel`)."""
 
     def __init__(
         self,
@@ -129,20 +143,27 @@ class RoutedExperts(nnx.Module):
     ):
         self.dtype = dtype
         init, p_dtype = trunc_normal(std), full_precision(dtype)
-        self.w_up_gate = nnx.Param(init(rngs.params(), (num_experts, 2 * hidden, width), p_dtype))
-        self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, width), p_dtype))
+        axes = ("experts", "mlp", "latent")
+        self.w_up_gate = nnx.Param(
+            init(rngs.params(), (num_experts, 2 * hidden, width), p_dtype), logical_axes=axes
+        )
+        self.w_down = nnx.Param(
+            init(rngs.params(), (num_experts, hidden, width), p_dtype), logical_axes=axes
+        )
 
-    def __call__(self, z: jax.Array, routing: Routing) -> jax.Array:
-        B, T, L = z.shape
-        k = routing.indices.shape[-1]
-        y = dispatch_for_backend()(
-            z.reshape(B * T, L).astype(self.dtype),
-            routing.indices.reshape(B * T, k),
-            routing.weights.reshape(B * T, k).astype(self.dtype),
+    def __call__(self, z: jax.Array, routing: Routing, *, layout: Layout | None = None):
+        args = (
+            z.astype(self.dtype),
+            routing.indices,
+            routing.weights.astype(self.dtype),
             self.w_up_gate[...].astype(self.dtype),
             self.w_down[...].astype(self.dtype),
         )
-        return y.reshape(B, T, L)
+        if layout is not None:
+            return expert_parallel(dispatch_for_backend(), layout, *args)
+        B, T, L = z.shape
+        flat = (x.reshape(B * T, -1) for x in args[:3])
+        return dispatch_for_backend()(*flat, *args[3:]).reshape(B, T, L)
 
 
 class SharedExpert(nnx.Module):
@@ -152,8 +173,12 @@ class SharedExpert(nnx.Module):
     def __init__(self, d_model: int, hidden: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs):
         self.dtype = dtype
         init, p_dtype = trunc_normal(std), full_precision(dtype)
-        self.w_up_gate = nnx.Param(init(rngs.params(), (d_model, 2 * hidden), p_dtype))
-        self.w_down = nnx.Param(init(rngs.params(), (1, hidden, d_model), p_dtype))
+        self.w_up_gate = nnx.Param(
+            init(rngs.params(), (d_model, 2 * hidden), p_dtype), logical_axes=("embed", "mlp")
+        )
+        self.w_down = nnx.Param(
+            init(rngs.params(), (1, hidden, d_model), p_dtype), logical_axes=(None, "mlp", "embed")
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w_up_gate, w_down = (w[...].astype(self.dtype) for w in (self.w_up_gate, self.w_down))
@@ -167,35 +192,34 @@ class MoEAux(NamedTuple):
     z_loss: jax.Array
     counts: jax.Array
     """[E] int32 token slots per routed expert."""
+    lb_loss_first_group: jax.Array
+    """The first row group's share of lb_loss (`router_aux`); lb_loss itself with one group."""
 
 
 def router_aux(
-    routing: Routing,
-    *,
-    num_experts: int,
-    top_k: int,
-    loss_div_factor=None,
-    lb_axis_name: str | tuple[str, ...] | None = None,
+    routing: Routing, *, num_experts: int, top_k: int, loss_div_factor=None, lb_groups: int = 1
 ) -> MoEAux:
-    """The load-balancing loss, router z-loss and expert counts of one routing; `lb_axis_name`:
-    the data axes the LB counts are averaged over (global load balancing, inside `shard_map`)."""
+    """The load-balancing loss, router z-loss and expert counts of one routing. `lb_groups`: row
+    blocks balanced each on its own counts, their losses summed (1: the whole batch, OLMo-core's
+    global load balancing; the devices' rows: MaxText's per-device balancing)."""
     counts = expert_counts(routing.indices, num_experts)
-    lb_loss = load_balancing_loss(
+    lb_losses = grouped_load_balancing_loss(
         routing.probs,
-        counts,
+        routing.indices,
+        groups=lb_groups,
         top_k=top_k,
         loss_div_factor=loss_div_factor,
-        axis_name=lb_axis_name,
     )
     z_loss = router_z_loss(routing.logits, loss_div_factor=loss_div_factor)
-    return MoEAux(lb_loss, z_loss, counts)
+    return MoEAux(jnp.sum(lb_losses), z_loss, counts, lb_losses[0])
 
 
 class LatentMoE(nnx.Module):
     """m [B, T, d_model] (the feed-forward input, after its norm) -> (y [B, T, d_model], MoEAux).
 
     `document_ids`, `pools`: as `Router` (EMO). `loss_div_factor`: the aux losses' divisor
-    (None: B*T); `lb_axis_name`: as `router_aux`. Children carry OLMo-core's block-level names.
+    (None: B*T); `lb_groups`: as `router_aux`; `layout`: as `RoutedExperts`. Children carry
+    OLMo-core's block-level names.
     `dtype`: the compute dtype (`model.precision`)."""
 
     def __init__(
@@ -205,7 +229,9 @@ class LatentMoE(nnx.Module):
             raise NotImplementedError("LatentMoE without a shared expert")
         self.config = config
         self.routed_experts_router = Router(config, d_model, std=std, dtype=dtype, rngs=rngs)
-        self.latent_down_proj = linear(d_model, config.latent_dim, std, rngs, dtype=dtype)
+        self.latent_down_proj = linear(
+            d_model, config.latent_dim, std, rngs, axes=("embed", "latent"), dtype=dtype
+        )
         self.routed_experts = RoutedExperts(
             config.num_experts,
             config.latent_dim,
@@ -214,7 +240,9 @@ class LatentMoE(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.latent_up_proj = linear(config.latent_dim, d_model, std, rngs, dtype=dtype)
+        self.latent_up_proj = linear(
+            config.latent_dim, d_model, std, rngs, axes=("latent", "embed"), dtype=dtype
+        )
         self.shared_experts = SharedExpert(
             d_model, config.shared_expert_hidden, std=std, dtype=dtype, rngs=rngs
         )
@@ -226,16 +254,18 @@ class LatentMoE(nnx.Module):
         document_ids: jax.Array | None = None,
         pools: jax.Array | None = None,
         loss_div_factor=None,
-        lb_axis_name: str | tuple[str, ...] | None = None,
+        lb_groups: int = 1,
+        layout: Layout | None = None,
     ) -> tuple[jax.Array, MoEAux]:
         c = self.config
         routing = self.routed_experts_router(m, document_ids=document_ids, pools=pools)
-        routed = self.latent_up_proj(self.routed_experts(self.latent_down_proj(m), routing))
+        z = self.latent_down_proj(m)
+        routed = self.latent_up_proj(self.routed_experts(z, routing, layout=layout))
         aux = router_aux(
             routing,
             num_experts=c.num_experts,
             top_k=c.top_k,
             loss_div_factor=loss_div_factor,
-            lb_axis_name=lb_axis_name,
+            lb_groups=lb_groups,
         )
         return routed + self.shared_experts(m), aux

@@ -22,7 +22,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     """Thin module over `rms_norm`; `weight_shape` defaults to (size,), initialised to ones in
-    `full_precision(dtype)` (dtype: the compute dtype)."""
+    `full_precision(dtype)` (dtype: the compute dtype); `axes`: its logical axis names."""
 
     def __init__(
         self,
@@ -30,10 +30,13 @@ class RMSNorm(nnx.Module):
         *,
         eps: float,
         weight_shape: tuple[int, ...] | None = None,
+        axes: tuple[str, ...] = ("embed",),
         dtype=jnp.float32,
     ):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones(weight_shape or (size,), full_precision(dtype)))
+        self.weight = nnx.Param(
+            jnp.ones(weight_shape or (size,), full_precision(dtype)), logical_axes=axes
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], eps=self.eps)

@@ -130,6 +130,15 @@ def resume(params, cfg: Config, *, mu, nu, count: int, losses, grad_norms) -> Op
     return OptState((adam, *decay), skip)
 
 
+def laid_out(state: OptState, *, moments, other) -> OptState:
+    """`state`'s structure with `moments` (a pytree like the params, e.g. their shardings) for
+    each Adam moment and `other` for every other leaf."""
+    adam, *decay = state.adam
+    adam = adam._replace(count=other, mu=moments, nu=moments)
+    decay, skip = jax.tree.map(lambda _: other, (decay, state.skip))
+    return OptState((adam, *decay), skip)
+
+
 def moments(state: OptState) -> tuple[Any, Any]:
     """Adam's first and second moments (pytrees like the params)."""
     return state.adam[0].mu, state.adam[0].nu

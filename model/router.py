@@ -112,7 +112,9 @@ class Router(nnx.Module):
     ):
         self.config, self.d_model = config, d_model
         shape = (config.num_experts * d_model,)
-        self.weight = nnx.Param(trunc_normal(std)(rngs.params(), shape, full_precision(dtype)))
+        self.weight = nnx.Param(  # flat [E * d_model], split over fsdp as any weight
+            trunc_normal(std)(rngs.params(), shape, full_precision(dtype)), logical_axes=("embed",)
+        )
 
     def __call__(
         self,

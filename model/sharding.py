@@ -1,24 +1,41 @@
 """Where arrays live on a `jax.sharding.Mesh` with axes ("data", "fsdp", "expert").
 
-Batches [GA, b, T] split their rows over data x fsdp (every device its own rows, as OLMo-core's
-data-parallel ranks). Params are fully sharded over fsdp along their first axis the fsdp size
-divides (replicated when none does); routed-expert weights [E, ...] split E over "expert" first.
-Gradients take the params' shardings (`train_step`'s grad-sharding constraint).
+Every param carries logical axis names, its `logical_axes` metadata, set where its module makes it
+(`model.init.linear`, `model.norms.RMSNorm`, ...); large activations get theirs where they are
+made. `ScaleConfig.logical_axis_rules` maps each name to mesh axes, as MaxText's
+`logical_axis_rules`, and `Layout.spec` turns a shape's names into a `PartitionSpec`.
+
+The model runs under `jax.jit` (GSPMD): rows split over data x fsdp x expert, every weight split
+over fsdp and gathered by XLA where a layer uses it, its gradient reduce-scattered back; routed
+experts split over "expert" and run inside `shard_map` (`model.expert_parallel`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "fsdp", "expert")
-BATCH_AXES = ("data", "fsdp")
+from model import optim
+from model.config import LOGICAL_AXIS_RULES, MESH_AXES, Config
+from model.train_step import TrainState
+from model.transformer import Transformer
+
+Logical = tuple[str | None, ...]
+"""One logical axis name (or None: never split) per dimension."""
 
 
-def make_mesh(*, data: int, fsdp: int = 1, expert: int = 1) -> Mesh:
+def make_mesh(*, data: int = 1, fsdp: int = 1, expert: int = 1) -> Mesh:
     """A mesh of the first data * fsdp * expert devices."""
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert}
+    bad = {name: size for name, size in sizes.items() if size < 1}
+    if bad:
+        raise ValueError(f"mesh axes must be >= 1, got {bad}")
     n = data * fsdp * expert
     devices = jax.devices()
     if n > len(devices):
@@ -26,35 +43,122 @@ def make_mesh(*, data: int, fsdp: int = 1, expert: int = 1) -> Mesh:
             f"mesh data={data} x fsdp={fsdp} x expert={expert} needs {n} devices, "
             f"{len(devices)} exist"
         )
-    return Mesh(np.array(devices[:n]).reshape(data, fsdp, expert), AXES)
+    return Mesh(np.array(devices[:n]).reshape(data, fsdp, expert), MESH_AXES)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Micro-batches [GA, b, ...]: rows b over data x fsdp."""
-    return NamedSharding(mesh, P(None, BATCH_AXES))
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh and the logical axis rules (`ScaleConfig.logical_axis_rules`)."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
+
+    def spec(self, logical: Logical, shape: tuple[int, ...]) -> P:
+        """Each dimension in order takes the mesh axes of its name's rule that no earlier
+        dimension took, that have more than one device, and that keep it evenly divided."""
+        if len(logical) != len(shape):
+            raise ValueError(f"logical axes {logical} for a shape {shape}")
+        rules, used, spec = dict(self.rules), set(), []
+        for name, size in zip(logical, shape, strict=True):
+            if name is not None and name not in rules:
+                raise ValueError(f"logical axis {name!r} has no rule in {sorted(rules)}")
+            taken, shards = [], 1
+            for axis in rules.get(name, ()):
+                n = self.mesh.shape[axis]
+                if axis not in used and n > 1 and size % (shards * n) == 0:
+                    taken.append(axis)
+                    shards *= n
+            used.update(taken)
+            spec.append(tuple(taken) if len(taken) > 1 else (taken[0] if taken else None))
+        return P(*spec)
+
+    def sharding(self, logical: Logical, shape: tuple[int, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape))
+
+    def constrain(self, x: jax.Array, logical: Logical) -> jax.Array:
+        """`x` laid out as its logical axes say (a GSPMD sharding constraint)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
+
+    def batch_axes(self, rows: int) -> tuple[str, ...]:
+        """The mesh axes `rows` rows are split over."""
+        axes = self.spec(("batch",), (rows,))[0]
+        return () if axes is None else (axes,) if isinstance(axes, str) else axes
+
+    def batch_shards(self, rows: int) -> int:
+        """How many devices hold different rows."""
+        return math.prod(self.mesh.shape[axis] for axis in self.batch_axes(rows))
+
+    def micro_batch_sharding(self, rows: int) -> NamedSharding:
+        """Micro-batches [GA, rows, ...]: rows over the batch axes."""
+        return NamedSharding(self.mesh, P(None, self.batch_axes(rows) or None))
 
 
-def _is_routed_expert(path) -> bool:
-    return any(getattr(k, "key", getattr(k, "name", None)) == "routed_experts" for k in path)
+def layout_of(cfg: Config, mesh: Mesh) -> Layout:
+    """`mesh` with `cfg`'s logical axis rules."""
+    return Layout(mesh, cfg.scale.logical_axis_rules)
 
 
-def param_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """The partition spec of one param (see the module docstring)."""
-    spec: list = [None] * len(shape)
-    taken = set()
-    if _is_routed_expert(path) and shape and shape[0] % mesh.shape["expert"] == 0:
-        spec[0] = "expert"
-        taken.add(0)
-    fsdp = mesh.shape["fsdp"]
-    for axis, size in enumerate(shape):
-        if axis not in taken and fsdp > 1 and size % fsdp == 0:
-            spec[axis] = "fsdp"
-            break
-    return P(*spec)
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
-def param_shardings(params, mesh: Mesh):
-    """NamedShardings like `params`."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path, x.shape, mesh)), params
+def logical_axes(variable: nnx.Variable) -> Logical:
+    """A param's logical axis names (its `logical_axes` metadata)."""
+    axes = variable.get_metadata().get("logical_axes")
+    if axes is None:
+        raise ValueError(f"a param of shape {variable.shape} has no logical_axes metadata")
+    return axes
+
+
+def param_shardings(params: nnx.State, layout: Layout) -> nnx.State:
+    """NamedShardings in the structure of `params` (arrays or abstract), from their logical axes."""
+    return jax.tree.map(
+        lambda v: v.replace(layout.sharding(logical_axes(v), v.shape)), params, is_leaf=_is_variable
     )
+
+
+def make_model(cfg: Config) -> Transformer:
+    """`cfg`'s model with its initial weights (`TrainConfig.init_seed`)."""
+    return Transformer(
+        cfg.model,
+        ignore_segment_ids=cfg.flags.olmoe3_mixers_ignore_segment_ids,
+        kda_inverse=cfg.flags.kda_inverse,
+        rngs=nnx.Rngs(cfg.train.init_seed),
+    )
+
+
+def abstract_params(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:
+    """The `Transformer` of `cfg` split into its graph and abstract params (nothing allocated)."""
+    return nnx.split(nnx.eval_shape(lambda: make_model(cfg)))
+
+
+def abstract_init(cfg: Config, mesh: Mesh) -> nnx.State:
+    """The params of `cfg`'s model as `jax.ShapeDtypeStruct`s carrying the `NamedSharding`s their
+    logical axes give on `mesh`; nothing is allocated."""
+    params = abstract_params(cfg)[1]
+    shardings = param_shardings(params, layout_of(cfg, mesh))
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+    )
+
+
+def state_shardings(cfg: Config, layout: Layout, params: nnx.State) -> TrainState:
+    """NamedShardings in the structure of a `TrainState` of `params` (arrays or abstract): the
+    Adam moments as the params, the step counts and skip history replicated."""
+    ps = param_shardings(params, layout)
+    opt_state = jax.eval_shape(lambda p: optim.init(p, cfg), params)
+    replicated = NamedSharding(layout.mesh, P())
+    return TrainState(ps, optim.laid_out(opt_state, moments=ps, other=replicated), replicated)
+
+
+def init_train_state(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, TrainState]:
+    """A fresh `TrainState` made sharded: each device computes only its own shards of the params
+    and optimizer state (`jax.jit` with out_shardings), never a whole copy."""
+    graphdef, abstract = abstract_params(cfg)
+    shardings = state_shardings(cfg, layout_of(cfg, mesh), abstract)
+
+    def init():
+        params = nnx.state(make_model(cfg))
+        return TrainState(params, optim.init(params, cfg), jax.numpy.zeros((), jax.numpy.int32))
+
+    return graphdef, jax.jit(init, out_shardings=shardings)()

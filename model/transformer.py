@@ -11,11 +11,14 @@ tensor of each MoE layer, in layer order) or `pool_key` (a JAX key, one draw per
 evaluation every document has the eval pool. The per-layer router losses (unweighted, divided by
 `loss_div_factor`) and expert counts come back stacked over the MoE layers; OLMo-core attaches the
 weighted ones to the graph instead, so a trainer adds them to its objective itself.
+
+At scale (`model.sharding`) the hidden state is laid out [batch, length, embed] between blocks,
+and each block may be rematerialised (`ScaleConfig.remat_policy`, `CHECKPOINT_POLICIES`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +31,24 @@ from model.moe import MoEAux
 from model.norms import RMSNorm
 from model.precision import compute_dtype, full_precision
 from model.router import document_ids_from_eos, draw_pools
+
+if TYPE_CHECKING:
+    from model.sharding import Layout
+
+CHECKPOINT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_saveable}
+"""`jax.checkpoint` policy of each `ScaleConfig.remat_policy` but "none": "full" saves nothing
+inside a block, "save_matmuls" every matmul output."""
+ACTIVATION = ("batch", "length", "embed")
+"""Logical axes of a hidden state [B, T, d_model]."""
+
+
+def run_block(block: Block, h: jax.Array, *, remat: str, **kwargs):
+    """`block(h, **kwargs)`, rematerialised in the backward pass as `remat` says."""
+    if remat == "none":
+        return block(h, **kwargs)
+    graphdef, state = nnx.split(block)
+    forward = lambda state, h: nnx.merge(graphdef, state)(h, **kwargs)  # noqa: E731
+    return jax.checkpoint(forward, policy=CHECKPOINT_POLICIES[remat])(state, h)
 
 
 class ModelOutput(NamedTuple):
@@ -44,7 +65,7 @@ class LMHead(nnx.Module):
         d, V = config.d_model, config.vocab_size
         dtype = compute_dtype(config.compute_dtype)
         self.norm = RMSNorm(d, eps=config.norm_eps, dtype=dtype)
-        self.w_out = linear(d, V, config.init_std, rngs, dtype=dtype)
+        self.w_out = linear(d, V, config.init_std, rngs, axes=("embed", "vocab"), dtype=dtype)
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return self.w_out(self.norm(h))
@@ -67,7 +88,8 @@ class Transformer(nnx.Module):
         self.embeddings = nnx.Param(
             trunc_normal(config.init_std)(
                 rngs.params(), (config.vocab_size, d), full_precision(self.dtype)
-            )
+            ),
+            logical_axes=("vocab", "embed"),
         )
         self.embedding_norm = RMSNorm(d, eps=config.norm_eps, dtype=self.dtype)
         self.blocks = nnx.List(
@@ -93,14 +115,17 @@ class Transformer(nnx.Module):
         pool_key: jax.Array | None = None,
         loss_div_factor=None,
         document_ids: jax.Array | None = None,
-        lb_axis_name: str | tuple[str, ...] | None = None,
+        lb_groups: int = 1,
+        layout: Layout | None = None,
+        remat: str = "none",
     ) -> tuple[jax.Array, MoEAux]:
         """The final hidden states [B, T, d_model] before the LM head (for a tiled LM loss), and
         the aux of every MoE layer. input_ids [B, T] int. In training (EMO), exactly one of
         `pool_draws` [n_moe_layers, B, T] (document d of row b in layer l uses [l, b, d]) and
         `pool_key`; neither in evaluation. `loss_div_factor`: the aux losses' divisor (None:
-        B*T). `document_ids` [B, T] from 0 (None: from EOS, OLMo-core's way). `lb_axis_name`:
-        inside `shard_map`, the data axes load balancing averages its counts over."""
+        B*T). `document_ids` [B, T] from 0 (None: from EOS, OLMo-core's way). `lb_groups`: as
+        `model.moe.router_aux`. `layout`: the mesh the model runs on (`model.sharding`; None:
+        one device). `remat`: `ScaleConfig.remat_policy`."""
         c = self.config
         pools = self.pool_sizes(
             input_ids.shape, train=train, pool_draws=pool_draws, pool_key=pool_key
@@ -108,17 +133,22 @@ class Transformer(nnx.Module):
         if document_ids is None:
             document_ids = document_ids_from_eos(input_ids, eos_token_id=c.eos_token_id)
         embedded = self.embeddings[...][input_ids].astype(self.dtype)
-        h = self.embedding_norm(embedded * c.embed_scale)
+        constrain = (lambda x: x) if layout is None else (lambda x: layout.constrain(x, ACTIVATION))
+        h = constrain(self.embedding_norm(embedded * c.embed_scale))
         auxes = []
         for block in self.blocks:
             layer_pools = None if pools is None else pools[len(auxes)]
-            h, aux = block(
+            h, aux = run_block(
+                block,
                 h,
+                remat=remat,
                 document_ids=document_ids,
                 pools=layer_pools,
                 loss_div_factor=loss_div_factor,
-                lb_axis_name=lb_axis_name,
+                lb_groups=lb_groups,
+                layout=layout,
             )
+            h = constrain(h)
             if aux is not None:
                 auxes.append(aux)
         return h, MoEAux(*(jnp.stack(parts) for parts in zip(*auxes, strict=True)))

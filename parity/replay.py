@@ -36,7 +36,7 @@ from parity.compare import compare_step, free_running_record, teacher_forced_rec
 from parity.lockstep import lockstep
 from parity.lockstep_check import check_step, lockstep_record, over_tolerance
 from parity.records import LockstepStep
-from parity.run import Metrics, Run, free_running, teacher_forced, use_devices
+from parity.run import MeshShape, Metrics, Run, free_running, teacher_forced, use_devices
 from parity.trace import GoldenTrace, load_trace
 
 
@@ -45,6 +45,13 @@ def maxtext_config(config: Config) -> Config:
     return dataclasses.replace(
         config, flags=Flags(olmo_global_indices_path=config.flags.olmo_global_indices_path)
     )
+
+
+def _mesh(text: str) -> MeshShape:
+    try:
+        return MeshShape.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
@@ -71,10 +78,11 @@ def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("replay"), help="folder for the record")
     parser.add_argument("--window", type=int, default=10, help="steps per reporting window")
     parser.add_argument(
-        "--devices",
-        type=int,
-        default=1,
-        help="simulated CPU data devices, the routed MoE in shard_map over them (not lockstep)",
+        "--mesh",
+        type=_mesh,
+        default=MeshShape(),
+        help="data=D,fsdp=F,expert=E: train the JAX side on D x F x E simulated CPU devices, "
+        "rows over all, weights over fsdp, routed experts over expert (default: one device)",
     )
     return parser
 
@@ -164,20 +172,19 @@ def run(args: argparse.Namespace) -> int:
     the teacher-forced view). Returns the exit code: 0 when every step is within tolerance."""
     if args.window < 1:
         raise SystemExit(f"--window must be >= 1, got {args.window}")
-    if args.view == "lockstep" and args.devices != 1:
-        raise SystemExit("--devices: lockstep runs the JAX side on one device")
-    use_devices(args.devices)
+    use_devices(args.mesh.devices)
     trace = load_trace()
     steps = _steps(args, trace)
     config = trace.config if args.flags == "olmo_core" else maxtext_config(trace.config)
     console = Console()
     console.print(
         f"{args.view}: {steps} steps of OLMo-core's micro config (GA {config.train.ga_steps}, "
-        f"flags {args.flags}, {args.devices} device(s)); the first step compiles."
+        f"flags {args.flags}, mesh {args.mesh}); the first step compiles."
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    record = VIEWS[args.view](args, trace, Run(config, devices=args.devices), steps, console)
-    (args.out / "replay.json").write_text(json.dumps(record.to_json(), indent=1))
+    record = VIEWS[args.view](args, trace, Run(config, mesh=args.mesh), steps, console)
+    written = record.to_json() | {"mesh": dataclasses.asdict(args.mesh)}
+    (args.out / "replay.json").write_text(json.dumps(written, indent=1))
     console.print(f"wrote {args.out / 'replay.json'}")
     return 0 if record.passed else 1
 

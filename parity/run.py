@@ -24,7 +24,7 @@ from model import train_step as ts
 from model.config import Config
 from model.convert import from_olmo_core, to_olmo_core
 from model.objective import model_terms_fn
-from model.sharding import make_mesh
+from model.sharding import abstract_params, layout_of, make_mesh, state_shardings
 from parity.faults import InjectedFault
 from parity.trace import GoldenTrace
 
@@ -35,22 +35,49 @@ PoolDraws = Callable[[int, tuple[int, ...]], np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """The (data, fsdp, expert) mesh a run's JAX side trains on (`model.sharding`), written
+    `data=D,fsdp=F,expert=E` on the command line (axes left out are 1)."""
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        bad = {k: v for k, v in dataclasses.asdict(self).items() if v < 1}
+        if bad:
+            raise ValueError(f"mesh axes must be >= 1, got {bad}")
+
+    @classmethod
+    def parse(cls, text: str) -> MeshShape:
+        sizes = {}
+        for part in text.split(","):
+            name, _, size = part.partition("=")
+            if name not in {f.name for f in dataclasses.fields(cls)} or not size.isdigit():
+                raise ValueError(f"mesh: expected data=D,fsdp=F,expert=E, got {text!r}")
+            sizes[name] = int(size)
+        return cls(**sizes)
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.expert
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """How the JAX side runs: `config` (OLMo-core's flags, or others), on `devices` simulated data
-    devices (the routed MoE in `shard_map` over them when > 1). `wrap_terms` replaces the
-    model's terms function by a variant of it, `draws` OLMo-core's recorded EMO draws by others
-    (both None: OLMo-core's)."""
+    """How the JAX side runs: `config` (OLMo-core's flags, or others), on `mesh` (simulated CPU
+    devices; one by default). `wrap_terms` replaces the model's terms function by a variant of
+    it, `draws` OLMo-core's recorded EMO draws by others (both None: OLMo-core's)."""
 
     config: Config
-    devices: int = 1
+    mesh: MeshShape = MeshShape()
     wrap_terms: Callable[[ts.TermsFn], ts.TermsFn] | None = None
     draws: PoolDraws | None = None
     fault: InjectedFault | None = None
     """Tests only (`parity.faults`): a deliberate error from a given step."""
-
-    def __post_init__(self):
-        if self.devices < 1:
-            raise ValueError(f"Run.devices must be >= 1, got {self.devices}")
 
 
 def use_devices(n: int) -> None:
@@ -60,22 +87,43 @@ def use_devices(n: int) -> None:
     with contextlib.suppress(RuntimeError):  # raised when the backend is up already
         jax.config.update("jax_num_cpu_devices", n)
     if len(jax.devices()) < n:
-        raise SystemExit(f"--devices {n}: JAX has {len(jax.devices())} devices")
+        raise SystemExit(f"a mesh of {n} devices: JAX has {len(jax.devices())}")
 
 
 def _metrics(out: dict[str, jax.Array]) -> Metrics:
     return {k: np.asarray(v).tolist() for k, v in out.items()}
 
 
+def _update(params, grads, opt_state, step, loss, *, cfg: Config):
+    return optim.step(params, grads, opt_state, step=step, loss=loss, cfg=cfg)
+
+
 @functools.cache
 def _jitted(run: Run, graphdef):
-    """The train step's two jitted parts for `run` (no fault): accumulate, then the optimizer."""
-    mesh = make_mesh(data=run.devices) if run.devices > 1 else None
-    terms = model_terms_fn(graphdef, run.config, mesh=mesh)
+    """The train step's two jitted parts for `run` (no fault): accumulate, then the optimizer
+    (`update(params, grads, opt_state, step, loss)`). On a mesh, inputs and outputs are laid out
+    by their logical axes and the accumulated gradients kept as the params."""
+    cfg = run.config
+    mesh = make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
+    terms = model_terms_fn(graphdef, cfg, mesh=mesh)
     if run.wrap_terms is not None:
         terms = run.wrap_terms(terms)
-    accumulate = jax.jit(functools.partial(ts.accumulate, cfg=run.config, terms_fn=terms))
-    update = jax.jit(functools.partial(optim.step, cfg=run.config))
+    accumulate = functools.partial(ts.accumulate, cfg=cfg, terms_fn=terms)
+    update = functools.partial(_update, cfg=cfg)
+    if mesh is None:
+        return jax.jit(accumulate), jax.jit(update)
+    layout = layout_of(cfg, mesh)
+    laid_out = state_shardings(cfg, layout, abstract_params(cfg)[1])
+    params, opt, one = laid_out.params, laid_out.opt_state, laid_out.step
+    rows = layout.micro_batch_sharding(cfg.train.micro_batch_size)
+    accumulate = jax.jit(
+        functools.partial(accumulate, grad_sharding=params),
+        in_shardings=(params, rows),
+        out_shardings=(params, one),
+    )
+    update = jax.jit(
+        update, in_shardings=(params, params, opt, one, one), out_shardings=(params, opt, one)
+    )
     return accumulate, update
 
 
@@ -99,7 +147,7 @@ def take_step(run: Run, graphdef, state: ts.TrainState, micro_batches):
     if fault is not None:
         grads = fault.scale_grads(grads, run.config)
     params, opt_state, metrics = update(
-        state.params, grads, state.opt_state, step=state.step, loss=terms["ce"]
+        state.params, grads, state.opt_state, state.step, terms["ce"]
     )
     return ts.TrainState(params, opt_state, state.step + 1), {**terms, **metrics}, grads
 

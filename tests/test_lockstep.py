@@ -1,9 +1,10 @@
-"""Lockstep, the replay's default view (`python -m parity.replay --steps 3`): OLMo-core's own train
-module beside the JAX step, both from OLMo-core's state every step. Three steps pass on every
-metric, MoE layer and tensor (gradient, update, Adam moments) within the measured LOCKSTEP_*
-tolerances, OLMo-core's metrics are the trace's, and replay.json has the issue's format. One MoE
-layer's router gradient 1% off at step 3 is named: step, tensor, block. The other faults and the
-whole epoch: tests/test_lockstep_full.py."""
+"""Lockstep, the replay's default view: OLMo-core's own train module beside the JAX step, both from
+OLMo-core's state every step. Five steps with the JAX side on 8 simulated devices
+(`python -m parity.replay --steps 5 --mesh fsdp=4,expert=2`) pass on every metric, MoE layer and
+tensor (gradient, update, Adam moments) within the measured LOCKSTEP_* tolerances, OLMo-core's
+metrics are the trace's, and replay.json has the issue's format. On one device, one MoE layer's
+router gradient 1% off at step 3 is named: step, tensor, block. The other faults and the whole
+epoch, on one device: tests/test_lockstep_full.py."""
 
 import json
 
@@ -17,23 +18,31 @@ from parity.run import Run
 from parity.trace import load_trace
 from tests.lockstep_faults import FAULTS, ROUTER
 
-STEPS = 3
+STEPS = 5
+MESH = "fsdp=4,expert=2"
 
 
 @pytest.fixture(scope="module")
 def lockstepped(tmp_path_factory):
     out = tmp_path_factory.mktemp("lockstep")
-    code = replay.main(["--steps", str(STEPS), "--out", str(out), "--window", str(STEPS)])
+    code = replay.main(
+        ["--steps", str(STEPS), "--mesh", MESH, "--out", str(out), "--window", str(STEPS)]
+    )
     return code, json.loads((out / "replay.json").read_text()), out
 
 
-def test_three_steps_pass_on_every_metric_layer_and_tensor(lockstepped):
+def test_five_steps_on_a_mesh_pass_on_every_metric_layer_and_tensor(lockstepped):
     code, record, out = lockstepped
     assert code == 0 and record["view"] == "lockstep" and record["passed"]
+    assert record["mesh"] == {"data": 1, "fsdp": 4, "expert": 2}
     assert record["first_divergence"] is None
     lock = record["lockstep"]
     assert lock["passed"] and lock["first_divergence"] is None
-    assert [s["step"] for s in lock["steps"]] == [s["step"] for s in record["steps"]] == [1, 2, 3]
+    assert (
+        [s["step"] for s in lock["steps"]]
+        == [s["step"] for s in record["steps"]]
+        == [1, 2, 3, 4, 5]
+    )
     names = set(load_trace().param_names)
     for entry in lock["steps"]:
         assert entry["olmo_core_is_trace"], entry["step"]

@@ -2,7 +2,8 @@
 two-block hybrid (KDA + dense, attention + EMO MoE): with `moe_global_load_balancing` every term
 and its gradient equal the whole batch's on one device; without it each device balances its own
 rows, the logged LB is device 0's scaled to the batch and the gradient is the sum of each device's
-own."""
+own. Each remat policy puts one `jax.checkpoint` of its policy around each block and leaves the
+gradients as they were."""
 
 import dataclasses
 import functools
@@ -13,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from goldens.tolerances import LOCAL_LB_VISIBLE, SHARDED
+from goldens.tolerances import LOCAL_LB_VISIBLE, REMAT, SHARDED
 from model import config as c
 from model import train_step as ts
 from model.data import olmo_labels, shift_to_inputs_targets
 from model.objective import model_terms_fn
 from model.sharding import make_mesh
-from model.transformer import Transformer
+from model.transformer import CHECKPOINT_POLICIES, Transformer
 from tests.compare import assert_close
 
 DEVICES, ROWS, T = 4, 8, 64
@@ -124,3 +125,31 @@ def test_local_load_balancing_logs_device_0_and_balances_each_device(whole_batch
     assert gap > LOCAL_LB_VISIBLE, (
         f"local LB within {gap:.1e} of the global one: the batch shows nothing"
     )
+
+
+def _remat_config(policy: str) -> c.Config:
+    cfg = _config(global_lb=True)
+    return dataclasses.replace(cfg, scale=dataclasses.replace(cfg.scale, remat_policy=policy))
+
+
+def _grad_of_sum(policy: str):
+    terms_fn = model_terms_fn(_model()[0], _remat_config(policy))
+
+    def total(params, mb, div):
+        return sum(jnp.sum(v) for v in terms_fn(params, mb, div).values())
+
+    return jax.grad(total)
+
+
+@pytest.mark.parametrize("policy", ["full", "save_matmuls"])
+def test_remat_recomputes_each_block_as_its_policy_says_and_changes_no_gradient(
+    whole_batch, policy
+):
+    mb, div, (_, expected) = whole_batch  # no remat
+    params = _model()[1]
+    grads = jax.jit(_grad_of_sum(policy))(params, mb, div)
+    assert_close("grads", expected=expected, actual=grads, tol=REMAT)
+    for p, expected in (("none", []), (policy, [CHECKPOINT_POLICIES[policy]] * MODEL.n_layers)):
+        jaxpr = jax.make_jaxpr(_grad_of_sum(p))(params, mb, div).jaxpr
+        remats = [e.params["policy"] for e in jaxpr.eqns if e.primitive.name == "remat2"]
+        assert remats == expected, (p, remats)

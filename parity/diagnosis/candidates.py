@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from model.config import Config
 from parity.diagnosis import variants
-from parity.run import Run
+from parity.run import MeshShape, Run
 
 DEVICES = 4
 """Data devices of the per-device load-balancing candidate (one row of a micro-batch each)."""
@@ -47,7 +47,7 @@ def candidates(config: Config) -> list[Candidate]:
             "lb_per_device",
             f"load balancing on each of {DEVICES} devices' own counts, device 0's value logged "
             "(`moe_global_load_balancing` off)",
-            Run(_flags(config, moe_global_load_balancing=False), devices=DEVICES),
+            Run(_flags(config, moe_global_load_balancing=False), mesh=MeshShape(data=DEVICES)),
         ),
         (
             "ga_logs",
