@@ -1,12 +1,14 @@
 """The golden training trace (goldens/trace/, OLMo-core's Trainer on the micro model) is whole and
 usable by the replay: every metric at every step, finite; its LR is our schedule's with OLMo-core's
 step offset at every step; its EMO draws lie in the micro config's pool range; its parameter
-snapshots load into our model and come back bit-exactly."""
+snapshots load into our model and come back bit-exactly; its manifest records the config an export
+today would write."""
 
 import numpy as np
 import pytest
 
 from goldens.tolerances import LR_SCHEDULE, TRACE_BLOCK_SUM
+from goldens.trace import run_config
 from model.config import micro, olmo_core
 from model.convert import from_olmo_core, to_olmo_core
 from model.optim import lr_at
@@ -54,3 +56,8 @@ def test_param_snapshots_load_into_our_model(golden, step):
     assert back.keys() == state.keys()
     for key, value in state.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
+
+
+def test_manifest_records_the_config_an_export_writes(golden):
+    made_for = golden("trace/metrics.safetensors").entry["config"]["config"]
+    assert made_for == run_config(olmo_core(micro()))
