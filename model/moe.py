@@ -7,10 +7,11 @@ nn/moe/v2/{routed_experts,shared_experts,no_ep}.py, 3.0.0):
     SwiGLU_e(z) = (up * silu(gate)) @ w_down[e],  [up | gate] = z @ w_up_gate[e]^T
 
 Dropless: every token reaches all its k experts. `routed_experts` sorts the token slots by expert
-and runs grouped matmuls (`jax.lax.ragged_dot`, OLMo-core's grouped GEMM); XLA's CPU runs a
+and runs grouped matmuls (`jax.lax.ragged_dot`, OLMo-core's grouped GEMM; on TPU MaxText's Pallas
+megablox kernels, whose backward XLA's TPU `ragged_dot` cannot match in memory). XLA's CPU runs a
 `ragged_dot` as E masked dense matmuls, so on CPU `tiled_routed_experts` pads each expert's slots
-to whole tiles of `TILE_ROWS` and runs one batched matmul over the tiles (`dispatch_for_backend`).
-`naive_routed_experts`, every expert on every token, is the spec of both. An index equal to E marks
+to whole tiles of `TILE_ROWS` and runs one batched matmul over the tiles (`dispatch_for`).
+`naive_routed_experts`, every expert on every token, is the spec of them all. An index equal to E marks
 a slot whose expert lives on another device (`model.expert_parallel`): it adds nothing. The
 per-layer router losses are returned unweighted.
 Weights keep OLMo-core's layouts: routed w_up_gate [E, 2H, L], w_down [E, H, L]; shared w_up_gate
@@ -20,11 +21,13 @@ alone is also the dense feed-forward of block 0 (OLMo-core builds it as a shared
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
 from model.aux_losses import expert_counts, grouped_load_balancing_loss, router_z_loss
 from model.config import MoEConfig
@@ -36,6 +39,10 @@ from model.router import Router, Routing
 if TYPE_CHECKING:
     from model.sharding import Layout
 
+MEGABLOX_TILE = 512
+"""Largest tile side of `megablox_matmul` (rows, contracted, output)."""
+TPU_LANES = 128
+"""A TPU vector register's lanes: Pallas blocks' last dimension comes in whole multiples."""
 TILE_ROWS = 64
 """Rows of a tile of `tiled_routed_experts`: one expert's token slots, zero-padded."""
 
@@ -61,20 +68,50 @@ def naive_routed_experts(
     return jnp.sum(weights[..., None] * chosen, axis=1)
 
 
+def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K] rows grouped in order, w [G, K, N] -> [M, N], group g's rows times w[g]; rows past
+    the last group come out zero (`jax.lax.ragged_dot`)."""
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def megablox_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool = False
+) -> jax.Array:
+    """`ragged_matmul` by MaxText's TPU grouped-matmul kernel (Pallas megablox `gmm`, whose
+    backward is its own `tgmm`), tiles of up to `MEGABLOX_TILE`; `interpret`: Pallas's
+    interpreter, on any backend. Its blocks need widths (K, N) in whole `TPU_LANES`; narrower
+    experts (the micro config's) go to `ragged_matmul`. The kernel leaves the rows past the last
+    group unwritten, in its output and in its gradient with respect to x: both are zeroed here."""
+    if any(n % TPU_LANES for n in w.shape[1:]):
+        return ragged_matmul(x, w, group_sizes)
+    tiling = tuple(min(MEGABLOX_TILE, n) for n in (x.shape[0], *w.shape[1:]))
+    grouped = (jnp.arange(x.shape[0]) < jnp.sum(group_sizes))[:, None]
+    x = jnp.where(grouped, x, 0)
+    y = megablox.gmm(x, w, group_sizes, x.dtype, tiling, None, None, False, interpret)
+    return jnp.where(grouped, y, 0)
+
+
 def routed_experts(
-    z: jax.Array, indices: jax.Array, weights: jax.Array, w_up_gate: jax.Array, w_down: jax.Array
+    z: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    w_up_gate: jax.Array,
+    w_down: jax.Array,
+    *,
+    matmul=ragged_matmul,
 ) -> jax.Array:
     """Dropless grouped dispatch, same arguments and result as `naive_routed_experts`: token slots
-    sorted by expert (stable), two grouped matmuls, slots put back and summed over k. Slots of
-    index E sort last, outside every group: `ragged_dot` leaves their rows zero."""
+    sorted by expert (stable), two grouped matmuls (`matmul`: `ragged_matmul` or
+    `megablox_matmul`), slots put back and summed over k. Slots of index E sort last, outside
+    every group: their rows stay zero."""
     N, k = indices.shape
     E = w_up_gate.shape[0]
     flat = indices.reshape(-1)  # shape: [N*k], slot s = token s // k
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     rows = z[order // k]  # shape: [N*k, L], grouped by expert
-    h = swiglu(jax.lax.ragged_dot(rows, jnp.swapaxes(w_up_gate, 1, 2), group_sizes))
-    out = jax.lax.ragged_dot(h, w_down, group_sizes)  # shape: [N*k, L]
+    h = swiglu(matmul(rows, jnp.swapaxes(w_up_gate, 1, 2), group_sizes))
+    out = matmul(h, w_down, group_sizes)  # shape: [N*k, L]
     slots = out[jnp.argsort(order)].reshape(N, k, -1)
     return jnp.sum(weights[..., None] * slots, axis=1)
 
@@ -121,9 +158,14 @@ def tiled_routed_experts(
     return jnp.sum(weights[..., None] * slots, axis=1)
 
 
-def dispatch_for_backend():
-    """`tiled_routed_experts` on CPU, `routed_experts` (ragged_dot) on TPU and GPU."""
-    return tiled_routed_experts if jax.default_backend() == "cpu" else routed_experts
+def dispatch_for(platform: str):
+    """The routed-experts dispatch for `platform`: `tiled_routed_experts` on "cpu", grouped
+    matmuls by megablox on "tpu" (MaxText's) and by `ragged_dot` elsewhere."""
+    if platform == "cpu":
+        return tiled_routed_experts
+    if platform == "tpu":
+        return functools.partial(routed_experts, matmul=megablox_matmul)
+    return routed_experts
 
 
 class RoutedExperts(nnx.Module):
@@ -160,10 +202,10 @@ class RoutedExperts(nnx.Module):
             self.w_down[...].astype(self.dtype),
         )
         if layout is not None:
-            return expert_parallel(dispatch_for_backend(), layout, *args)
+            return expert_parallel(dispatch_for(layout.platform), layout, *args)
         B, T, L = z.shape
         flat = (x.reshape(B * T, -1) for x in args[:3])
-        return dispatch_for_backend()(*flat, *args[3:]).reshape(B, T, L)
+        return dispatch_for(jax.default_backend())(*flat, *args[3:]).reshape(B, T, L)
 
 
 class SharedExpert(nnx.Module):

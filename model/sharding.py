@@ -30,14 +30,15 @@ Logical = tuple[str | None, ...]
 """One logical axis name (or None: never split) per dimension."""
 
 
-def make_mesh(*, data: int = 1, fsdp: int = 1, expert: int = 1) -> Mesh:
-    """A mesh of the first data * fsdp * expert devices."""
+def make_mesh(*, data: int = 1, fsdp: int = 1, expert: int = 1, devices=None) -> Mesh:
+    """A mesh of the first data * fsdp * expert of `devices` (None: `jax.devices()`; or, say, a
+    TPU topology's compile-only devices)."""
     sizes = {"data": data, "fsdp": fsdp, "expert": expert}
     bad = {name: size for name, size in sizes.items() if size < 1}
     if bad:
         raise ValueError(f"mesh axes must be >= 1, got {bad}")
     n = data * fsdp * expert
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else list(devices)
     if n > len(devices):
         raise ValueError(
             f"mesh data={data} x fsdp={fsdp} x expert={expert} needs {n} devices, "
@@ -71,6 +72,12 @@ class Layout:
             used.update(taken)
             spec.append(tuple(taken) if len(taken) > 1 else (taken[0] if taken else None))
         return P(*spec)
+
+    @property
+    def platform(self) -> str:
+        """The mesh's devices' platform ("cpu", "tpu", ...): what the model compiles for, which
+        under ahead-of-time compilation need not be JAX's default backend."""
+        return self.mesh.devices.flat[0].platform
 
     def sharding(self, logical: Logical, shape: tuple[int, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical, shape))

@@ -1,6 +1,6 @@
 """The latent MoE with a shared expert against OLMo-core's v2 MoE in an `OLMoDDPTransformerBlock`
 (goldens/moe*.safetensors): output, expert counts, LB and z-losses and every gradient in training
-with OLMo-core's recorded pool draws, output in evaluation; both dispatches equal their spec."""
+with OLMo-core's recorded pool draws, output in evaluation; every dispatch equals its spec."""
 
 import functools
 
@@ -13,22 +13,40 @@ from flax import nnx
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, MOE_FORWARD
 from model.config import micro
 from model.convert import load_olmo_core, moe_entries, params_to_olmo_core
-from model.moe import LatentMoE, naive_routed_experts, routed_experts, tiled_routed_experts
+from model.moe import (
+    TPU_LANES,
+    LatentMoE,
+    megablox_matmul,
+    naive_routed_experts,
+    routed_experts,
+    tiled_routed_experts,
+)
 from tests.compare import assert_close
 
 
 @pytest.mark.parametrize(
-    "dispatch",
-    [routed_experts, functools.partial(tiled_routed_experts, tile=4)],
-    ids=["ragged_dot", "tiles"],
+    ("dispatch", "widths"),
+    [
+        (routed_experts, (8, 12)),
+        (functools.partial(tiled_routed_experts, tile=4), (8, 12)),
+        (
+            functools.partial(
+                routed_experts, matmul=functools.partial(megablox_matmul, interpret=True)
+            ),
+            (TPU_LANES, TPU_LANES),
+        ),
+    ],
+    ids=["ragged_dot", "tiles", "megablox"],
 )
-def test_grouped_dispatch_matches_the_spec(dispatch):
-    """Both dispatches give every expert on every token, values and gradients, with an expert
-    that gets no token, tokens whose two experts are far apart in the order and (tiles of 4 rows)
-    part-filled and spare tiles."""
-    N, L, H, E, k = 48, 8, 12, 6, 2
+def test_grouped_dispatch_matches_the_spec(dispatch, widths):
+    """Every dispatch gives every expert on every token, values and gradients, with an expert
+    that gets no token, tokens whose two experts are far apart in the order, slots of index E
+    (another device's expert: nothing) and (tiles of 4 rows) part-filled and spare tiles. `widths`:
+    the latent and expert widths L, H (megablox: whole TPU lanes, in Pallas's interpreter)."""
+    (L, H), N, E, k = widths, 48, 6, 2
     rng = np.random.default_rng(0)
     indices = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(N)])  # E-1: unused
+    indices[rng.random((N, k)) < 0.2] = E
     args = [
         rng.standard_normal((N, L), np.float32),
         rng.random((N, k), np.float32),

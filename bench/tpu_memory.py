@@ -1,0 +1,369 @@
+"""`python -m bench.tpu_memory [--config hero|micro] [--remat POLICY ...]`: the hero's whole train
+step compiled for a TPU topology on this CPU, without a TPU (deviceless ahead-of-time compilation,
+as MaxText's `train_compile.py`), and its per-device memory as XLA's TPU compiler plans it.
+
+The seed's setup: `olmo35_tiny`, seq 8192, 2,048 sequences a step, GA 2; v4 8x8x16 megacore (1,024
+devices), expert 4 x fsdp 256, one sequence per device per micro-batch; dropless MoE; bfloat16
+activations, float32 params and Adam state. Four variants: flat or seq-major vocab tiling, with or
+without the GA params loop barrier, beside the seed's 49.9 / 26.3 / 44.3 GB temporaries. A variant
+that needs more than the chip's HBM does not compile: the compiler's error gives its temporaries,
+and the arguments and outputs come from the shardings. For each variant, what holds the most
+memory at the compiler's peak (the ops of its live-range report). Then one line per remat policy.
+
+Run by `tox -e tpu-aot` (its own environment, with libtpu), which writes `docs/tpu_memory.json`
+and `docs/tpu_memory.md`; `--config micro` is the same on v4 2x2x1 in a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+from model import config as c
+from model import train_step as ts
+from model.objective import model_terms_fn
+from model.sharding import abstract_params, layout_of, make_mesh, state_shardings
+
+GIB = 2**30
+HBM_GIB = 32
+"""HBM of one TPU v4 chip."""
+SEED_GB = {"flat": 49.9, "seq-major": 26.3, "flat + barrier": 44.3}
+"""The seed's temporaries on v4 8x8x16 (the MaxText PR)."""
+GA_STEPS = 2
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+PEAK_OPS = 6
+"""How many of the ops holding the most memory at the peak each variant reports."""
+JIT_PREFIX = "jit(<lambda>)/while/body/closed_call/"
+LOOP_STATE = "wide."
+"""How XLA names the GA loop's (a while loop's) parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A TPU topology, the (fsdp, expert) mesh over its devices and the config trained on it."""
+
+    topology: str
+    fsdp: int
+    expert: int
+    config: str
+    vocab_tiles: int
+    remat: str
+
+    def devices(self):
+        return topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=self.topology,
+            chip_config_name="megacore",
+            chips_per_host_bounds=(2, 2, 1),
+            num_slices=1,
+            wrap=(True, True, True),
+        ).devices
+
+
+TARGETS = {
+    "hero": Target(
+        "v4:8x8x16", fsdp=256, expert=4, config="olmo35_tiny", vocab_tiles=8, remat="full"
+    ),
+    "micro": Target("v4:2x2x1", fsdp=2, expert=2, config="micro", vocab_tiles=2, remat="full"),
+}
+VARIANTS = {
+    "flat": (False, False),
+    "seq-major": (True, False),
+    "flat + barrier": (False, True),
+    "seq-major + barrier": (True, True),
+}
+"""name: (Flags.vocab_tiling_seq_major, Flags.ga_params_loop_barrier)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Per-device bytes of one compiled train step: XLA's arguments, outputs, aliased (donated)
+    and temporaries, and its peak (None when it did not compile: XLA's TPU compiler refuses a
+    program over the chip's HBM, and its error gives the temporaries)."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    peak: int | None
+    seconds: float
+    peak_ops: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @property
+    def fits(self) -> bool:
+        return self.peak is not None
+
+
+def step_config(target: Target, *, seq_major: bool, barrier: bool, remat: str) -> c.Config:
+    """The target's config as the seed trained it: GA 2, one sequence per device per micro-batch,
+    bfloat16 activations, OLMo-core's flags but the two under test."""
+    cfg = c.olmo_core(getattr(c, target.config)())
+    devices = target.fsdp * target.expert
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, compute_dtype="bfloat16"),
+        train=dataclasses.replace(
+            cfg.train,
+            ga_steps=GA_STEPS,
+            global_batch_size=GA_STEPS * devices,
+            vocab_tiles=target.vocab_tiles,
+        ),
+        flags=dataclasses.replace(
+            cfg.flags, vocab_tiling_seq_major=seq_major, ga_params_loop_barrier=barrier
+        ),
+        scale=dataclasses.replace(cfg.scale, remat_policy=remat),
+    )
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def _peak_ops(dump: Path) -> tuple[tuple[str, int], ...]:
+    """The ops holding the most bytes at the peak (the leaves of the compiler's live-range
+    report's peak breakdown, the bytes each holds), largest first."""
+    report = next(dump.glob("*after_optimizations-live-range.txt"), None)
+    if report is None:
+        return ()
+    text = report.read_text()
+    start = text.find("Stack trace breakdown for peak usage")
+    held = re.findall(
+        r"[├└]── (.+?) \(\S+, total: [\d ]+ bytes, current: ([\d ]+) bytes", text[start:]
+    )
+    merged: dict[str, int] = {}
+    for name, size in held:
+        key = re.sub(r"\{\d+\}$", "", name.removeprefix(JIT_PREFIX))
+        if key.startswith(LOOP_STATE):
+            key = "the GA loop's carried state (params, summed gradients)"
+        merged[key] = merged.get(key, 0) + int(size.replace(" ", ""))
+    return tuple(sorted(merged.items(), key=lambda kv: -kv[1])[:PEAK_OPS])
+
+
+def compile_step(cfg: c.Config, mesh) -> Memory:
+    """Lower and compile `cfg`'s train step for `mesh`'s devices, donating the state."""
+    layout = layout_of(cfg, mesh)
+    graphdef, params = abstract_params(cfg)
+    shardings = state_shardings(cfg, layout, params)
+    state = _abstract(jax.eval_shape(lambda p: ts.init_state(p, cfg), params), shardings)
+    rows = cfg.train.micro_batch_size
+    on_rows = layout.micro_batch_sharding(rows)
+    tokens = jax.ShapeDtypeStruct((GA_STEPS, rows, cfg.train.seq_len), jnp.int32, sharding=on_rows)
+    draws = (GA_STEPS, rows, len(cfg.model.moe_layers), cfg.train.seq_len)
+    batch = {
+        "inputs": tokens,
+        "labels": tokens,
+        "inputs_segmentation": tokens,
+        "pool_draws": jax.ShapeDtypeStruct(draws, jnp.int32, sharding=on_rows),
+    }
+    terms = model_terms_fn(graphdef, cfg, mesh=mesh)
+    step = jax.jit(
+        lambda state, mb: ts.train_step(
+            state, mb, cfg=cfg, terms_fn=terms, grad_sharding=shardings.params
+        ),
+        in_shardings=(shardings, on_rows),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    start = time.perf_counter()
+    lowered = step.lower(state, batch)
+    arguments = _shard_bytes((state, batch))
+    with tempfile.TemporaryDirectory() as dump:
+        try:
+            stats = lowered.compile(compiler_options={"xla_dump_to": dump}).memory_analysis()
+        except jax.errors.JaxRuntimeError as error:
+            found = re.search(r"HLO temporaries \(([\d.]+)G\)", str(error))
+            if found is None:
+                raise
+            state_bytes = _shard_bytes(state)
+            return Memory(
+                arguments=arguments,
+                outputs=state_bytes,
+                aliased=state_bytes,
+                temporaries=int(float(found.group(1)) * GIB),
+                peak=None,
+                seconds=time.perf_counter() - start,
+                peak_ops=_peak_ops(Path(dump)),
+            )
+        return Memory(
+            arguments=stats.argument_size_in_bytes,
+            outputs=stats.output_size_in_bytes,
+            aliased=stats.alias_size_in_bytes,
+            temporaries=stats.temp_size_in_bytes,
+            peak=stats.peak_memory_in_bytes,
+            seconds=time.perf_counter() - start,
+            peak_ops=_peak_ops(Path(dump)),
+        )
+
+
+def compile_variant(name: str, variant: str, remat: str) -> Memory:
+    """One variant of `name`'s train step with `remat`, compiled in this process."""
+    target = TARGETS[name]
+    mesh = make_mesh(fsdp=target.fsdp, expert=target.expert, devices=target.devices())
+    seq_major, barrier = VARIANTS[variant]
+    return compile_step(
+        step_config(target, seq_major=seq_major, barrier=barrier, remat=remat), mesh
+    )
+
+
+def _in_child(name: str, variant: str, remat: str) -> dict:
+    """`compile_variant` in a fresh process (a hero compile takes 13 GB of host memory that the
+    allocator keeps): its record, read from the JSON the child prints last."""
+    command = [sys.executable, "-m", "bench.tpu_memory", "--config", name]
+    done = subprocess.run(
+        [*command, "--compile", variant, remat], capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        raise SystemExit(f"compiling {variant} (remat {remat}) failed:\n{done.stderr[-4000:]}")
+    record = json.loads(done.stdout.splitlines()[-1])
+    print(f"{variant}, remat {remat}: {_gib(record['temporaries'])} temporaries", flush=True)
+    return record
+
+
+def measure(name: str, remats: list[str]) -> dict:
+    """Every variant with the target's remat policy, then seq-major with each of `remats`."""
+    target = TARGETS[name]
+    variants = {v: _in_child(name, v, target.remat) for v in VARIANTS}
+    policies = {
+        r: variants["seq-major"] if r == target.remat else _in_child(name, "seq-major", r)
+        for r in remats
+    }
+    return {
+        "config": name,
+        "target": dataclasses.asdict(target),
+        "devices": target.fsdp * target.expert,
+        "variants": variants,
+        "remat": policies,
+        "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB,
+    }
+
+
+def _record(m: Memory) -> dict:
+    return {
+        **dataclasses.asdict(m),
+        "peak_ops": [list(op) for op in m.peak_ops],
+        "total": m.total,
+        "fits": m.fits,
+    }
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _peak(m: dict) -> str:
+    return "-" if m["peak"] is None else _gib(m["peak"])
+
+
+def report(record: dict) -> str:
+    """docs/tpu_memory.md from the record."""
+    t = record["target"]
+    variants = record["variants"]
+    flat = variants["flat"]["temporaries"]
+    lines = [
+        "# The train step's memory on TPU, compiled on a CPU",
+        "",
+        f"Generated by `tox -e tpu-aot -- --config {record['config']}` (`bench/tpu_memory.py`): "
+        f"`{t['config']}` on {t['topology']} megacore ({record['devices']} devices), "
+        f"expert {t['expert']} x fsdp {t['fsdp']}, GA {GA_STEPS}, one sequence per device per "
+        f"micro-batch, bfloat16 activations, float32 params and Adam state, remat "
+        f"`{t['remat']}`, {t['vocab_tiles']} vocab tiles. Per device, as XLA's TPU compiler "
+        "plans it (total: arguments + outputs - aliased + temporaries; peak: XLA's own, buffers "
+        f"reused). A variant over the chip's {HBM_GIB} GiB does not compile, and its temporaries "
+        "are the compiler's error's. Peak host memory of one compile: "
+        f"{record['peak_host_memory_gib']:.1f} GiB.",
+        "",
+        "| variant | arguments | outputs | aliased | temporaries | total | peak "
+        "| / flat temporaries | seed | fits | compile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in variants.items():
+        seed = f"{SEED_GB[name]} GB" if name in SEED_GB and record["config"] == "hero" else ""
+        lines.append(
+            f"| {name} | {_gib(m['arguments'])} | {_gib(m['outputs'])} | {_gib(m['aliased'])} | "
+            f"{_gib(m['temporaries'])} | {_gib(m['total'])} | {_peak(m)} | "
+            f"{m['temporaries'] / flat:.2f}x | "
+            f"{seed} | {'yes' if m['fits'] else 'no'} | {m['seconds']:.0f} s |"
+        )
+    lines += [
+        "",
+        f"The seed's ratios: seq-major {SEED_GB['seq-major'] / SEED_GB['flat']:.2f}x, barrier "
+        f"{SEED_GB['flat + barrier'] / SEED_GB['flat']:.2f}x.",
+        "",
+        "## What holds the memory at the peak",
+        "",
+        "The ops whose buffers are live at the compiler's peak, largest first (its live-range "
+        "report; `transpose(jvp(...))` is the backward pass, `rematted_computation` the "
+        "recomputed forward):",
+        "",
+    ]
+    for name, m in variants.items():
+        lines.append(f"- {name}:")
+        lines += [f"  - `{op}`: {_gib(size)}" for op, size in m["peak_ops"]]
+    lines += [
+        "",
+        "## Remat policies (seq-major)",
+        "",
+        "| policy | temporaries | total | peak | fits |",
+        "|---|---|---|---|---|",
+    ]
+    for policy, m in record["remat"].items():
+        lines.append(
+            f"| `{policy}` | {_gib(m['temporaries'])} | {_gib(m['total'])} | {_peak(m)} | "
+            f"{'yes' if m['fits'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.tpu_memory", description=__doc__)
+    parser.add_argument("--config", choices=sorted(TARGETS), default="hero")
+    parser.add_argument(
+        "--remat", nargs="*", choices=c.REMAT_POLICIES, default=list(c.REMAT_POLICIES)
+    )
+    parser.add_argument("--out", type=Path, default=DOCS)
+    parser.add_argument("--compile", nargs=2, metavar=("VARIANT", "REMAT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "cpu":
+        raise SystemExit("bench.tpu_memory compiles for TPU on a CPU: set JAX_PLATFORMS=cpu")
+    if args.compile:
+        print(json.dumps(_record(compile_variant(args.config, *args.compile))))
+        return
+    record = measure(args.config, args.remat)
+    stem = "tpu_memory" if args.config == "hero" else f"tpu_memory_{args.config}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(report(record))
+    print(report(record))
+    if not any(v["fits"] for v in record["variants"].values()):
+        raise SystemExit(f"no variant fits {HBM_GIB} GiB of HBM")
+
+
+if __name__ == "__main__":
+    main()
