@@ -11,9 +11,9 @@ and runs grouped matmuls (`jax.lax.ragged_dot`, OLMo-core's grouped GEMM; on TPU
 megablox kernels, whose backward XLA's TPU `ragged_dot` cannot match in memory). XLA's CPU runs a
 `ragged_dot` as E masked dense matmuls, so on CPU `tiled_routed_experts` pads each expert's slots
 to whole tiles of `TILE_ROWS` and runs one batched matmul over the tiles (`dispatch_for`).
-`naive_routed_experts`, every expert on every token, is the spec of them all. An index equal to E marks
-a slot whose expert lives on another device (`model.expert_parallel`): it adds nothing. The
-per-layer router losses are returned unweighted.
+`naive_routed_experts`, every expert on every token, is the spec of them all. An index equal to E
+marks a slot whose expert lives on another device (`model.expert_parallel`): it adds nothing.
+The per-layer router losses are returned unweighted.
 Weights keep OLMo-core's layouts: routed w_up_gate [E, 2H, L], w_down [E, H, L]; shared w_up_gate
 [D, 2H], w_down [1, H, D]; the latent projections are linear kernels [in, out]. The shared expert
 alone is also the dense feed-forward of block 0 (OLMo-core builds it as a shared-experts block).
