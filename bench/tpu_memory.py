@@ -35,7 +35,13 @@ from jax.experimental import topologies
 from model import config as c
 from model import train_step as ts
 from model.objective import model_terms_fn
-from model.sharding import abstract_params, layout_of, make_mesh, state_shardings
+from model.sharding import (
+    abstract_params,
+    layout_of,
+    make_mesh,
+    state_shardings,
+    with_shardings,
+)
 
 GIB = 2**30
 HBM_GIB = 32
@@ -132,12 +138,6 @@ def step_config(target: Target, *, seq_major: bool, barrier: bool, remat: str) -
     )
 
 
-def _abstract(tree, shardings):
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
-
-
 def _shard_bytes(tree) -> int:
     """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
     return sum(
@@ -172,7 +172,7 @@ def compile_step(cfg: c.Config, mesh) -> Memory:
     layout = layout_of(cfg, mesh)
     graphdef, params = abstract_params(cfg)
     shardings = state_shardings(cfg, layout, params)
-    state = _abstract(jax.eval_shape(lambda p: ts.init_state(p, cfg), params), shardings)
+    state = with_shardings(jax.eval_shape(lambda p: ts.init_state(p, cfg), params), shardings)
     rows = cfg.train.micro_batch_size
     on_rows = layout.micro_batch_sharding(rows)
     tokens = jax.ShapeDtypeStruct((GA_STEPS, rows, cfg.train.seq_len), jnp.int32, sharding=on_rows)

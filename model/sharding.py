@@ -143,9 +143,13 @@ def abstract_init(cfg: Config, mesh: Mesh) -> nnx.State:
     """The params of `cfg`'s model as `jax.ShapeDtypeStruct`s carrying the `NamedSharding`s their
     logical axes give on `mesh`; nothing is allocated."""
     params = abstract_params(cfg)[1]
-    shardings = param_shardings(params, layout_of(cfg, mesh))
+    return with_shardings(params, param_shardings(params, layout_of(cfg, mesh)))
+
+
+def with_shardings(tree, shardings):
+    """`jax.ShapeDtypeStruct`s of `tree`'s leaves carrying `shardings` (a pytree like it)."""
     return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
 
 
