@@ -8,7 +8,8 @@ activations, float32 params and Adam state. Four variants: flat or seq-major voc
 without the GA params loop barrier, beside the seed's 49.9 / 26.3 / 44.3 GB temporaries. A variant
 that needs more than the chip's HBM does not compile: the compiler's error gives its temporaries,
 and the arguments and outputs come from the shardings. For each variant, what holds the most
-memory at the compiler's peak (the ops of its live-range report). Then one line per remat policy.
+memory at the compiler's peak (the ops of its live-range report), and the collectives flat's
+program has and seq-major's has not (from the optimized HLO). Then one line per remat policy.
 
 Run by `tox -e tpu-aot` (its own environment, with libtpu), which writes `docs/tpu_memory.json`
 and `docs/tpu_memory.md`; `--config micro` is the same on v4 2x2x1 in a few minutes.
@@ -17,6 +18,7 @@ and `docs/tpu_memory.md`; `--config micro` is the same on v4 2x2x1 in a few minu
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -52,7 +54,12 @@ GA_STEPS = 2
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PEAK_OPS = 6
 """How many of the ops holding the most memory at the peak each variant reports."""
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+REMOVED = 4
+"""How many of the collectives flat has and seq-major has not the report names."""
 JIT_PREFIX = "jit(<lambda>)/while/body/closed_call/"
+HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+"""Bytes of one element of each HLO element type the train step has."""
 LOOP_STATE = "wide."
 """How XLA names the GA loop's (a while loop's) parameters."""
 
@@ -107,6 +114,8 @@ class Memory:
     peak: int | None
     seconds: float
     peak_ops: tuple[tuple[str, int], ...]
+    collectives: tuple[tuple[str, str, str, int], ...]
+    """Every collective of the optimized program: (kind, JAX op, result shape, bytes)."""
 
     @property
     def total(self) -> int:
@@ -167,6 +176,32 @@ def _peak_ops(dump: Path) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(merged.items(), key=lambda kv: -kv[1])[:PEAK_OPS])
 
 
+def _collectives(dump: Path) -> tuple[tuple[str, str, str, int], ...]:
+    """The collectives of the optimized train step's HLO (its largest dumped module): kind, the
+    JAX op each came from ("" when XLA's SPMD partitioner made it), result shape, bytes (of an
+    async start, its result; of a combined collective, all of its results)."""
+    programs = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    if not programs:
+        return ()
+    found = []
+    for line in programs[-1].read_text().splitlines():
+        op = re.search(rf"= (.+?) ({'|'.join(COLLECTIVES)})(-start)?\(", line)
+        if op is None:
+            continue
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", op.group(1))
+        shapes = shapes[-1:] if op.group(3) else shapes
+        size = sum(
+            math.prod(int(d) for d in dims.split(",") if d) * HLO_ITEMSIZE[dtype]
+            for dtype, dims in shapes
+        )
+        name = re.search(r'op_name="([^"]+)"', line)
+        shape = ", ".join(f"{dtype}[{dims}]" for dtype, dims in shapes)
+        found.append(
+            (op.group(2), name.group(1).removeprefix(JIT_PREFIX) if name else "", shape, size)
+        )
+    return tuple(found)
+
+
 def compile_step(cfg: c.Config, mesh) -> Memory:
     """Lower and compile `cfg`'s train step for `mesh`'s devices, donating the state."""
     layout = layout_of(cfg, mesh)
@@ -211,6 +246,7 @@ def compile_step(cfg: c.Config, mesh) -> Memory:
                 peak=None,
                 seconds=time.perf_counter() - start,
                 peak_ops=_peak_ops(Path(dump)),
+                collectives=_collectives(Path(dump)),
             )
         return Memory(
             arguments=stats.argument_size_in_bytes,
@@ -220,6 +256,7 @@ def compile_step(cfg: c.Config, mesh) -> Memory:
             peak=stats.peak_memory_in_bytes,
             seconds=time.perf_counter() - start,
             peak_ops=_peak_ops(Path(dump)),
+            collectives=_collectives(Path(dump)),
         )
 
 
@@ -247,6 +284,13 @@ def _in_child(name: str, variant: str, remat: str) -> dict:
     return record
 
 
+def _hidden_state_bytes(target: Target) -> int:
+    """Bytes of one micro-batch's hidden states [rows, seq, d_model] in the compute dtype."""
+    cfg = step_config(target, seq_major=False, barrier=False, remat=target.remat)
+    rows, seq, d = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.d_model
+    return rows * seq * d * jnp.dtype(cfg.model.compute_dtype).itemsize
+
+
 def measure(name: str, remats: list[str]) -> dict:
     """Every variant with the target's remat policy, then seq-major with each of `remats`."""
     target = TARGETS[name]
@@ -261,6 +305,7 @@ def measure(name: str, remats: list[str]) -> dict:
         "devices": target.fsdp * target.expert,
         "variants": variants,
         "remat": policies,
+        "hidden_state_bytes": _hidden_state_bytes(target),
         "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB,
     }
 
@@ -269,6 +314,7 @@ def _record(m: Memory) -> dict:
     return {
         **dataclasses.asdict(m),
         "peak_ops": [list(op) for op in m.peak_ops],
+        "collectives": [list(op) for op in m.collectives],
         "total": m.total,
         "fits": m.fits,
     }
@@ -279,20 +325,56 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
+def _op_label(op: str) -> str:
+    """A peak op as the report shows it: a JAX op's name, or an XLA instruction's marked so."""
+    return f"`{op}`" if "/" in op or " " in op else f"`{op}` (made by XLA, no JAX op)"
+
+
 def _peak(m: dict) -> str:
     return "-" if m["peak"] is None else _gib(m["peak"])
 
 
-def _why(variants: dict) -> str:
-    """Where the ratios differ from the seed's, what the peak says."""
-    ratio = variants["seq-major"]["temporaries"] / variants["flat"]["temporaries"]
-    if ratio <= SEED_GB["seq-major"] / SEED_GB["flat"] + 0.02:
-        return "Seq-major tiling saves here what it saved the seed."
+def _removed(record: dict) -> list[tuple[str, str, str, int]]:
+    """The collectives flat's program has and seq-major's has not (same kind, JAX op and shape),
+    largest first."""
+    flat, seq = (
+        collections.Counter(map(tuple, record["variants"][v]["collectives"]))
+        for v in ("flat", "seq-major")
+    )
+    return sorted((flat - seq).elements(), key=lambda op: -op[3])
+
+
+def _removed_lines(record: dict) -> list[str]:
+    """Report lines for the largest of `_removed`; one the size of the micro-batch's hidden
+    states is named so."""
+    lines = []
+    for kind, op, shape, size in _removed(record)[:REMOVED]:
+        made = f"from `{op}`" if op else "made by XLA's SPMD partitioner"
+        whole = (
+            ": the whole micro-batch's hidden states on every device"
+            if size == record["hidden_state_bytes"]
+            else ""
+        )
+        lines.append(f"- {kind} {made}, {shape}, {_gib(size)}{whole}")
+    return lines or ["- none"]
+
+
+def _why(record: dict) -> str:
+    """Why the hero's ratios differ from the seed's, from the record."""
+    v = record["variants"]
+    flat, seq = v["flat"]["temporaries"], v["seq-major"]["temporaries"]
+    barrier = v["flat + barrier"]["temporaries"] - flat
+    removed = sum(op[3] for op in _removed(record))
     return (
-        f"Ours is {ratio:.2f}x: temporaries are the most memory live at one moment, and the ops "
-        "live at that moment are listed below. Vocab tiling changes only the LM head and its "
-        "loss, after the last block: unless they are among those ops, its tiling cannot move "
-        "the figure."
+        f"Seq-major's saving is the collectives below ({_gib(removed)} of results, not all live "
+        "at once); what fraction of flat's temporaries that is depends on what else is live. "
+        "What seq-major keeps is mostly the MoE's (the ops at its peak, below): "
+        f"{_gib(seq)} of temporaries here against the seed's {SEED_GB['seq-major']} GB, so the "
+        "same saving is a "
+        f"{'larger' if seq < SEED_GB['seq-major'] * 1e9 else 'smaller'} fraction. The loop "
+        "barrier keeps work on the params alone inside the GA loop. It changes flat's "
+        f"temporaries by {barrier / GIB:+.2f} GiB here: flat's peak is the hidden states' "
+        "collectives, which depend on the micro-batch, so XLA never hoists them."
     )
 
 
@@ -326,10 +408,23 @@ def report(record: dict) -> str:
             f"{m['temporaries'] / flat:.2f}x | "
             f"{seed} | {'yes' if m['fits'] else 'no'} | {m['seconds']:.0f} s |"
         )
+    ratio = {name: m["temporaries"] / flat for name, m in variants.items()}
     lines += [
         "",
-        f"The seed's ratios: seq-major {SEED_GB['seq-major'] / SEED_GB['flat']:.2f}x, barrier "
-        f"{SEED_GB['flat + barrier'] / SEED_GB['flat']:.2f}x. {_why(variants)}",
+        f"Temporaries against flat's: seq-major {ratio['seq-major']:.2f}x, the loop barrier "
+        f"{ratio['flat + barrier']:.2f}x (the seed's: "
+        f"{SEED_GB['seq-major'] / SEED_GB['flat']:.2f}x and "
+        f"{SEED_GB['flat + barrier'] / SEED_GB['flat']:.2f}x)."
+        + (f" {_why(record)}" if record["config"] == "hero" else ""),
+        "",
+        "## What seq-major removes",
+        "",
+        "The collectives of flat's compiled program that seq-major's has not (same kind, JAX op "
+        "and shape), largest first. A flat tile is a run of the flattened rows, which a few "
+        "devices hold, and every tile is laid out over all devices (as MaxText lays it out), so "
+        "the partitioner moves the hidden states; a seq-major tile keeps every row where it is.",
+        "",
+        *_removed_lines(record),
         "",
         "## What holds the memory at the peak",
         "",
@@ -340,7 +435,7 @@ def report(record: dict) -> str:
     ]
     for name, m in variants.items():
         lines.append(f"- {name}:{'' if m['peak_ops'] else ' not recorded'}")
-        lines += [f"  - `{op}`: {_gib(size)}" for op, size in m["peak_ops"]]
+        lines += [f"  - {_op_label(op)}: {_gib(size)}" for op, size in m["peak_ops"]]
     lines += [
         "",
         "## Remat policies (seq-major)",

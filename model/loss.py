@@ -5,10 +5,15 @@ batch's count of labels that are not ignored, OLMo-core's `loss_div_factor`), an
 Vocab tiling computes LM head + loss tile by tile under `lax.scan` with rematerialisation, so the
 [tokens, V] logits exist for one tile at a time in the forward and the backward. Flat tiling cuts
 the flattened [B * T] tokens; seq-major (`Flags.vocab_tiling_seq_major`) cuts the sequence, every
-tile holding all rows, so a batch sharded by rows needs no gather of its hidden states.
+tile holding all rows. On a mesh every tile's rows are split over the batch axes, as MaxText's
+(`reshaped_hidden_spec`), so each device computes its share of every tile: a flat tile's rows come
+from a few devices' rows, so XLA gathers the hidden states to lay them out; a seq-major tile's rows
+are where the batch's already are, and nothing moves.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +21,9 @@ from jax import lax
 
 from model.data import IGNORE_INDEX
 from model.precision import full_precision, upcast
+
+if TYPE_CHECKING:
+    from model.sharding import Layout
 
 
 def cross_entropy_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -36,8 +44,10 @@ def lm_head_loss_sums(
     *,
     tiles: int = 1,
     seq_major: bool = False,
+    layout: Layout | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`cross_entropy_sums(hidden @ w_out, labels)` in `tiles` tiles.
+    """`cross_entropy_sums(hidden @ w_out, labels)` in `tiles` tiles, on `layout`'s mesh (None:
+    one device).
 
     hidden [B, T, D] (after the LM-head norm); w_out [D, V]; labels [B, T]. Flat tiling needs
     `tiles` to divide B * T, seq-major to divide T.
@@ -53,10 +63,15 @@ def lm_head_loss_sums(
         # shape: [B, T, D] -> [tiles, B, T / tiles, D]
         hidden = jnp.moveaxis(hidden.reshape(B, tiles, T // tiles, D), 1, 0)
         labels = jnp.moveaxis(labels.reshape(B, tiles, T // tiles), 1, 0)
+        rows = (None, "batch", "length")
     else:
         # shape: [B, T, D] -> [tiles, B * T / tiles, D]
         hidden = hidden.reshape(tiles, (B * T) // tiles, D)
         labels = labels.reshape(tiles, (B * T) // tiles)
+        rows = (None, "batch")
+    if layout is not None:
+        hidden = layout.constrain(hidden, (*rows, "embed"))
+        labels = layout.constrain(labels, rows)
 
     @jax.checkpoint
     def tile(sums, x):

@@ -88,9 +88,12 @@ def accumulate(
     grad_sharding=None,
 ):
     """Gradients and reported terms summed over the micro-batches (leading axis), under
-    `lax.scan`. `grad_sharding` (a pytree of shardings like params) constrains the accumulated
-    gradients inside the loop; `Flags.ga_params_loop_barrier` puts an optimisation barrier on the
-    params in the loop body so XLA cannot hoist work on them out of it."""
+    `lax.scan`. `grad_sharding` (a pytree of shardings like params) lays out each micro-batch's
+    gradients and their sum as the params, behind an optimisation barrier: each micro-batch's are
+    reduce-scattered inside the loop, where XLA would otherwise carry a sum of the unscattered
+    gradients (every device's full share of the routed experts', in float32) and scatter it once
+    after the loop. `Flags.ga_params_loop_barrier` puts an optimisation barrier on the params in
+    the loop body so XLA cannot hoist work on them out of it."""
     div = loss_div_factor(micro_batches)
 
     def objective(p, mb):
@@ -100,6 +103,8 @@ def accumulate(
     def body(acc, mb):
         p = lax.optimization_barrier(params) if cfg.flags.ga_params_loop_barrier else params
         (_, terms), grads = jax.value_and_grad(objective, has_aux=True)(p, mb)
+        if grad_sharding is not None:
+            grads = lax.optimization_barrier(lax.with_sharding_constraint(grads, grad_sharding))
         acc = jax.tree.map(jnp.add, acc, grads)
         if grad_sharding is not None:
             acc = lax.with_sharding_constraint(acc, grad_sharding)

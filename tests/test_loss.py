@@ -1,17 +1,17 @@
 """The LM loss against OLMo-core's `cross_entropy_loss` (goldens/loss.safetensors), and vocab
-tiling, flat and seq-major, against the untiled loss, on 1 and on 8 devices."""
+tiling, flat and seq-major, against the untiled loss, on 1 device and with the tiles laid out over
+8 (rows split over the mesh, as the model's `Layout` lays them out)."""
 
 import functools
 
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from goldens.loss import Z_WEIGHT
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, VOCAB_TILING
 from model.loss import cross_entropy_sums, lm_head_loss_sums
+from model.sharding import Layout, make_mesh
 from tests.compare import assert_close
 
 
@@ -29,15 +29,16 @@ def test_cross_entropy_matches_olmo_core(golden):
     assert_close("grad.logits", expected=g["grad.logits"], actual=grad, tol=FP32_GRAD)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "seq_major"))
-def _loss_and_grads(hidden, w_out, labels, *, tiles, seq_major):
+@functools.partial(jax.jit, static_argnames=("tiles", "seq_major", "layout"))
+def _loss_and_grads(hidden, w_out, labels, *, tiles, seq_major, layout=None):
     def f(hidden, w_out):
-        return _objective(
-            lm_head_loss_sums(hidden, w_out, labels, tiles=tiles, seq_major=seq_major)
+        sums = lm_head_loss_sums(
+            hidden, w_out, labels, tiles=tiles, seq_major=seq_major, layout=layout
         )
+        return _objective(sums), sums
 
-    sums = lm_head_loss_sums(hidden, w_out, labels, tiles=tiles, seq_major=seq_major)
-    return sums, jax.grad(f, argnums=(0, 1))(hidden, w_out)
+    grads, sums = jax.grad(f, argnums=(0, 1), has_aux=True)(hidden, w_out)
+    return sums, grads
 
 
 def _batch():
@@ -54,11 +55,12 @@ def _batch():
 def test_vocab_tiling_matches_untiled(seq_major, devices):
     hidden, w_out, labels = _batch()
     expected = _loss_and_grads(hidden, w_out, labels, tiles=1, seq_major=False)
+    layout = None
     if devices > 1:
-        mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-        rows = NamedSharding(mesh, P("data"))
+        layout = Layout(make_mesh(data=2, fsdp=2, expert=2))
+        rows = layout.sharding(("batch",), labels.shape[:1])
         hidden, labels = jax.device_put(hidden, rows), jax.device_put(labels, rows)
-    actual = _loss_and_grads(hidden, w_out, labels, tiles=4, seq_major=seq_major)
+    actual = _loss_and_grads(hidden, w_out, labels, tiles=4, seq_major=seq_major, layout=layout)
     assert_close("loss and grads", expected=expected, actual=actual, tol=VOCAB_TILING)
 
 
