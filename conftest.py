@@ -1,12 +1,18 @@
 """Test set-up for every pytest process (xdist workers too): 8 simulated CPU devices and float32
 matmuls at "highest" precision, both fixed before JAX is imported; a persistent compilation
 cache; golden fixtures through the golden store, so a missing or stale golden fails naming the
-file and how to regenerate it."""
+file and how to regenerate it.
+
+`pytest -m tpu` (the TPU leg, tests/test_tpu.py) lets JAX pick its backend instead: a TPU host's
+chips, with the CPU beside them; elsewhere the CPU alone, and those tests skip saying so.
+`--tpu-record PATH` writes what they measured, for docs/tpu.md (`python -m bench.tpu_leg`)."""
 
 import getpass
+import json
 import os
 import re
 import tempfile
+from pathlib import Path
 
 # Before anything imports jax: XLA reads these once, at backend start.
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
@@ -33,6 +39,23 @@ settings.register_profile("gate", deadline=None, derandomize=True, print_blob=Tr
 settings.load_profile("gate")
 
 
+TPU_MARK = "tpu"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tpu-record",
+        type=Path,
+        default=None,
+        help="with -m tpu on a TPU host: write what the TPU tests measured to this JSON file",
+    )
+
+
+def pytest_configure(config):
+    if config.option.markexpr == TPU_MARK:  # JAX's backend has not started yet
+        jax.config.update("jax_platforms", "")
+
+
 def pytest_collection_modifyitems(items):
     """Tests marked `longest` first (stable otherwise): xdist hands out modules in this order."""
     items.sort(key=lambda item: item.get_closest_marker("longest") is None)
@@ -52,3 +75,25 @@ def golden():
         return cache[path]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def tpu_record(request):
+    """`tpu_record(check, quantity, highest=..., default=..., bound=...)`: one measured row of
+    the TPU leg (its value at matmul precision "highest", which the test holds to `bound`, and at
+    "default"); written to `--tpu-record` when the session ends."""
+    rows: list[dict] = []
+
+    def record(check: str, quantity: str, *, highest: float, default: float, bound: float):
+        rows.append(
+            {"check": check, "quantity": quantity, "highest": float(highest)}
+            | {"default": float(default), "bound": float(bound), "ok": bool(highest <= bound)}
+        )
+
+    yield record
+    path = request.config.getoption("--tpu-record")
+    if path is not None and rows:
+        device = jax.devices()[0]
+        written = {"platform": device.platform, "device": device.device_kind, "rows": rows}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(written, indent=1))

@@ -1,10 +1,13 @@
-"""`python -m bench [name ...]`: run the benchmarks (all by default) and print their figures.
-The CPU is split into as many simulated devices as the most any named benchmark needs: one, the
-real CPU, unless `memory` (8) is among them."""
+"""`python -m bench [name ...] [--record PATH]`: run the benchmarks (all those for this CPU by
+default) and print their figures; `--record` also writes them as JSON. The CPU is split into as
+many simulated devices as the most any named benchmark needs: one, the real CPU, unless `memory`
+(8) is among them. `tpu-step` runs on a TPU host only, when named."""
 
 import argparse
 import importlib
+import json
 import os
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -14,8 +17,11 @@ BENCHES = {
     "kda_inverse": ("bench.kda_inverse", 1),
     "memory": ("bench.memory", 8),
     "step": ("bench.step", 1),
+    "tpu-step": ("bench.tpu_step", 1),
 }
 """name: (module, simulated CPU devices it needs)."""
+ON_A_TPU_HOST = ("tpu-step",)
+"""Left out unless named."""
 
 
 def main() -> None:
@@ -25,21 +31,26 @@ def main() -> None:
         nargs="*",
         choices=[[], *BENCHES],
         metavar="name",
-        help=f"any of {', '.join(BENCHES)} (default: all)",
+        help=f"any of {', '.join(BENCHES)} (default: all but {', '.join(ON_A_TPU_HOST)})",
     )
-    names = parser.parse_args().names or list(BENCHES)
+    parser.add_argument("--record", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    names = args.names or [name for name in BENCHES if name not in ON_A_TPU_HOST]
     devices = max(BENCHES[name][1] for name in names)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    table, closing = Table("bench", "figure", "value"), []
+    table, closing, record = Table("bench", "figure", "value"), [], {}
     for name in names:
         bench = importlib.import_module(BENCHES[name][0])
-        figures = bench.run()
+        figures = record[name] = bench.run()
         for figure, value in figures.items():
             table.add_row(name, figure, f"{value:.3g}")
         if hasattr(bench, "summary"):
             closing += bench.summary(figures)
     Console().print(table)
     print("\n".join(closing))
+    if args.record is not None:
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        args.record.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

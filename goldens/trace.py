@@ -7,7 +7,8 @@ OLMo-core 3.0.0 as a training job runs it: `OLMoDDPModel` (`goldens.runtime.mode
 betas 0.9/0.95, eps 1e-8, wd 0.1 and 0 for `*embeddings.weight`, clip 1.0, skip-step 6 sigma;
 `ConstantWithWarmup(warmup=10)`), the `NumpyFSLDataLoader` of the data goldens, `Trainer.fit()` for
 `STEPS` steps. What it needs on one CPU process: the CPU stand-ins (KDA, MoE v2), fp32
-(`OLMoDDPModel._training_dtype`), a gloo process group of world size 1, no checkpoints.
+(`OLMoDDPModel._training_dtype`), a process group of world size 1 (`process_group_backend`), no
+checkpoints.
 
 Reproducible: a callback reseeds torch's global RNG before every step (EMO draws its pool sizes
 from it); another records each router call's draw tensor (OLMo-core's [B, T], document d of a
@@ -69,10 +70,40 @@ def run_config(cfg: Config) -> dict:
     return {part: cfg.as_dict()[part] for part in RUN_PARTS}
 
 
+def sockets_refused() -> bool:
+    """Whether this machine refuses internet sockets, loopback too (a sandbox such as a TPU
+    host's): gloo cannot run there."""
+    try:
+        socket.socket().close()
+    except OSError:
+        return True
+    return False
+
+
+def process_group_backend() -> str:
+    """The world-size-1 process group OLMo-core trains in: "gloo" over the loopback (the trace's),
+    or where sockets are refused torch's in-process group "threaded". With one rank both leave
+    every tensor as it is: three lockstep steps of OLMo-core gave the same bits in each."""
+    return "threaded" if sockets_refused() else "gloo"
+
+
+def process_group_description() -> str:
+    """The manifest's words for `process_group_backend`'s group."""
+    if process_group_backend() == "gloo":
+        return (
+            "torch.distributed: gloo process group of world size 1 "
+            f"(env://, MASTER_PORT {MASTER_PORT})"
+        )
+    return (
+        'torch.distributed: torch\'s in-process group ("threaded") of world size 1, this machine '
+        "refusing sockets; OLMo-core's CPU check told of it"
+    )
+
+
 def use_free_port() -> None:
     """Unless MASTER_PORT is set, the gloo group listens on a port free now (another OLMo-core
     run, or one just ended, may hold MASTER_PORT's default)."""
-    if "MASTER_PORT" not in os.environ:
+    if "MASTER_PORT" not in os.environ and process_group_backend() == "gloo":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -81,15 +112,34 @@ def use_free_port() -> None:
 def _process_group() -> None:
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=os.environ.get("MASTER_PORT", MASTER_PORT),
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-        )
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if dist.is_initialized():
+        return
+    if process_group_backend() == "threaded":
+        _in_process_group()
+        return
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", MASTER_PORT),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _in_process_group() -> None:
+    """torch's in-process group of one rank, no sockets; OLMo-core's device choice
+    (`olmo_core.distributed.utils.backend_supports_cpu`, which knows gloo and mpi) is told it
+    runs on the CPU."""
+    import olmo_core.distributed.utils as olmo_dist
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.multi_threaded_pg  # noqa: F401  registers it
+
+    dist.init_process_group("threaded", rank=0, world_size=1, store=dist.HashStore())
+    knows = olmo_dist.backend_supports_cpu
+    olmo_dist.backend_supports_cpu = lambda backend=None: (
+        (backend or dist.get_backend()) == "threaded" or knows(backend)
+    )
 
 
 def record_pool_draws(model, on_draw: Callable[[int, object, int], None]) -> None:
@@ -308,8 +358,7 @@ def export() -> list[GoldenFile]:
             *SUBSTITUTIONS,
             *MOE_SUBSTITUTIONS,
             *RUNTIME,
-            "torch.distributed: gloo process group of world size 1 "
-            f"(env://, MASTER_PORT {MASTER_PORT})",
+            process_group_description(),
         ],
     }
     files = [

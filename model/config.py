@@ -41,6 +41,10 @@ LOGICAL_AXIS_RULES = (
 over every axis (the expert axis shards the batch outside the MoE), routed experts over "expert",
 and every weight over "fsdp" along its first axis that takes it (`model.sharding.Layout.spec`)."""
 REMAT_POLICIES = ("none", "full", "save_matmuls")
+MATMUL_PRECISIONS = ("default", "high", "highest")
+"""JAX's matmul precisions (`jax.default_matmul_precision`). On a TPU a float32 matmul takes one
+bfloat16 pass at "default", three at "high" and six at "highest" (float32's accuracy); a CPU
+multiplies float32 in float32 at each."""
 
 
 class _Config:
@@ -443,19 +447,29 @@ class Flags(_Config):
 
 @dataclass(frozen=True)
 class ScaleConfig(_Config):
-    """How a run is laid out at scale (no effect on the maths): where each logical axis lives on
-    the mesh, and what each block keeps for the backward pass."""
+    """How a run is laid out at scale: where each logical axis lives on the mesh, what each block
+    keeps for the backward pass (neither changes the maths), and how precisely the chip
+    multiplies."""
 
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
     remat_policy: str = "none"
     """Per block, as MaxText's `remat_policy`: "none" keeps every activation, "full" keeps only
     the block's input and recomputes the rest, "save_matmuls" keeps the matmul outputs."""
+    matmul_precision: str | None = None
+    """Precision of every matmul, einsum and Pallas matmul of the train step, one of
+    `MATMUL_PRECISIONS`; None: "highest" for float32 and float64 compute, "default" for bfloat16
+    (`model.precision.matmul_precision`)."""
 
     def validate(self) -> None:
         self._require(
             self.remat_policy in REMAT_POLICIES,
             "remat_policy",
             f"must be one of {REMAT_POLICIES}, got {self.remat_policy!r}",
+        )
+        self._require(
+            self.matmul_precision is None or self.matmul_precision in MATMUL_PRECISIONS,
+            "matmul_precision",
+            f"must be one of {MATMUL_PRECISIONS} or None, got {self.matmul_precision!r}",
         )
         names = [name for name, _ in self.logical_axis_rules]
         self._require(

@@ -9,6 +9,11 @@ float32 (norm statistics, softmaxes, the router, KDA's recurrence, the losses).
 Modules take the compute dtype as `dtype` and create their params in `full_precision(dtype)`. The
 float32 maths upcasts with `upcast`: float32 for float32 and bfloat16 inputs, float64 stays float64,
 and nothing is promoted past float32 when x64 is merely enabled.
+
+Matmul precision (`ScaleConfig.matmul_precision`, resolved by `matmul_precision`) is set once
+for the whole train step (`model.train_step.accumulate`) with `jax.default_matmul_precision`:
+JAX writes it into every dot_general and ragged_dot it traces there, the backward's and the
+Pallas kernels' included.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from model.config import Config
 
 
 def full_precision(dtype) -> np.dtype:
@@ -38,3 +45,12 @@ def compute_dtype(name: str) -> np.dtype:
             "run it inside `with jax.enable_x64(True):`"
         )
     return jnp.dtype(name)
+
+
+def matmul_precision(cfg: Config) -> str:
+    """`cfg.scale.matmul_precision`, or where None by the compute dtype: "default" for bfloat16
+    (one bfloat16 pass on a TPU, MaxText's), "highest" for float32 and float64."""
+    chosen = cfg.scale.matmul_precision
+    if chosen is not None:
+        return chosen
+    return "default" if cfg.model.compute_dtype == "bfloat16" else "highest"

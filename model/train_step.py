@@ -26,6 +26,7 @@ from jax import lax
 from model import optim
 from model.config import Config
 from model.data import IGNORE_INDEX
+from model.precision import matmul_precision
 
 TermsFn = Callable[[Any, dict[str, jax.Array], jax.Array], dict[str, jax.Array]]
 AUX_TERMS = ("lb_loss", "router_z_loss")
@@ -93,7 +94,8 @@ def accumulate(
     reduce-scattered inside the loop, where XLA would otherwise carry a sum of the unscattered
     gradients (every device's full share of the routed experts', in float32) and scatter it once
     after the loop. `Flags.ga_params_loop_barrier` puts an optimisation barrier on the params in
-    the loop body so XLA cannot hoist work on them out of it."""
+    the loop body so XLA cannot hoist work on them out of it. Every matmul, forward and backward,
+    runs at `model.precision.matmul_precision(cfg)`."""
     div = loss_div_factor(micro_batches)
 
     def objective(p, mb):
@@ -112,7 +114,8 @@ def accumulate(
 
     # The terms leave the loop stacked [GA, ...] and are summed after it: a zero carry for them
     # would need their shapes, one more trace of the whole objective.
-    grads, terms = lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro_batches)
+    with jax.default_matmul_precision(matmul_precision(cfg)):
+        grads, terms = lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro_batches)
     return grads, jax.tree.map(lambda t: jnp.sum(t, axis=0), terms)
 
 

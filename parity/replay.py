@@ -27,16 +27,27 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from model.config import Config, Flags
+from goldens.trace import process_group_backend
+from model.config import MATMUL_PRECISIONS, Config, Flags
+from model.precision import matmul_precision
 from parity import report
 from parity.compare import compare_step, free_running_record, teacher_forced_record
 from parity.lockstep import lockstep
 from parity.lockstep_check import check_step, lockstep_record, over_tolerance
 from parity.records import LockstepStep
-from parity.run import MeshShape, Metrics, Run, free_running, teacher_forced, use_devices
+from parity.run import (
+    PLATFORMS,
+    MeshShape,
+    Metrics,
+    Run,
+    free_running,
+    teacher_forced,
+    use_platform,
+)
 from parity.trace import GoldenTrace, load_trace
 
 
@@ -81,8 +92,23 @@ def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
         "--mesh",
         type=_mesh,
         default=MeshShape(),
-        help="data=D,fsdp=F,expert=E: train the JAX side on D x F x E simulated CPU devices, "
-        "rows over all, weights over fsdp, routed experts over expert (default: one device)",
+        help="data=D,fsdp=F,expert=E: train the JAX side on D x F x E devices (simulated CPU "
+        "ones, or --platform's), rows over all, weights over fsdp, routed experts over expert "
+        "(default: one device)",
+    )
+    parser.add_argument(
+        "--platform",
+        choices=PLATFORMS,
+        default="cpu",
+        help="where the JAX side runs: this CPU (default) or a TPU host's chips; OLMo-core always "
+        "runs on the CPU",
+    )
+    parser.add_argument(
+        "--matmul-precision",
+        choices=MATMUL_PRECISIONS,
+        default=None,
+        help="the JAX side's matmul precision (ScaleConfig.matmul_precision; default: highest, "
+        "float32's)",
     )
     return parser
 
@@ -172,18 +198,30 @@ def run(args: argparse.Namespace) -> int:
     the teacher-forced view). Returns the exit code: 0 when every step is within tolerance."""
     if args.window < 1:
         raise SystemExit(f"--window must be >= 1, got {args.window}")
-    use_devices(args.mesh.devices)
+    use_platform(args.platform, args.mesh.devices)
     trace = load_trace()
     steps = _steps(args, trace)
     config = trace.config if args.flags == "olmo_core" else maxtext_config(trace.config)
+    scale = dataclasses.replace(config.scale, matmul_precision=args.matmul_precision)
+    config = dataclasses.replace(config, scale=scale)
+    device = jax.devices(args.platform)[0].device_kind
+    precision = matmul_precision(config)
     console = Console()
     console.print(
         f"{args.view}: {steps} steps of OLMo-core's micro config (GA {config.train.ga_steps}, "
-        f"flags {args.flags}, mesh {args.mesh}); the first step compiles."
+        f"flags {args.flags}, mesh {args.mesh}, JAX on {device} at matmul precision "
+        f"{precision}); the first step compiles."
     )
     args.out.mkdir(parents=True, exist_ok=True)
     record = VIEWS[args.view](args, trace, Run(config, mesh=args.mesh), steps, console)
-    written = record.to_json() | {"mesh": dataclasses.asdict(args.mesh)}
+    written = record.to_json() | {
+        "mesh": dataclasses.asdict(args.mesh),
+        "platform": args.platform,
+        "device": device,
+        "matmul_precision": precision,
+    }
+    if args.view == "lockstep":
+        written["olmo_core_process_group"] = process_group_backend()
     (args.out / "replay.json").write_text(json.dumps(written, indent=1))
     console.print(f"wrote {args.out / 'replay.json'}")
     return 0 if record.passed else 1

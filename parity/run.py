@@ -80,14 +80,32 @@ class Run:
     """Tests only (`parity.faults`): a deliberate error from a given step."""
 
 
-def use_devices(n: int) -> None:
-    """Simulate n CPU devices, unless JAX already runs with enough (e.g. under the tests)."""
-    if n <= 1:
-        return
-    with contextlib.suppress(RuntimeError):  # raised when the backend is up already
-        jax.config.update("jax_num_cpu_devices", n)
-    if len(jax.devices()) < n:
-        raise SystemExit(f"a mesh of {n} devices: JAX has {len(jax.devices())}")
+PLATFORMS = ("cpu", "tpu")
+"""Where the JAX side can run: simulated CPU devices, or a TPU host's chips (OLMo-core stays on
+the host's CPU either way)."""
+
+
+def use_platform(platform: str, devices: int = 1) -> None:
+    """Run JAX on `platform` with at least `devices` devices: on "cpu" that many simulated ones
+    (unless JAX already runs with enough, e.g. under the tests); on "tpu" the host's chips, with
+    JAX's CPU beside them. Exits naming what JAX has when that cannot be."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    before, wanted = jax.config.jax_platforms, "cpu" if platform == "cpu" else f"{platform},cpu"
+    if before != wanted:  # read once, when the first backend starts
+        jax.config.update("jax_platforms", wanted)
+    if platform == "cpu" and devices > 1:
+        with contextlib.suppress(RuntimeError):  # raised when the backend is up already
+            jax.config.update("jax_num_cpu_devices", devices)
+    try:
+        found = jax.devices(platform)
+    except RuntimeError as error:
+        jax.config.update("jax_platforms", before)
+        raise SystemExit(
+            f"--platform {platform}: JAX finds no {platform} device ({error})"
+        ) from None
+    if len(found) < devices:
+        raise SystemExit(f"a mesh of {devices} devices: JAX has {len(found)} {platform} devices")
 
 
 def _metrics(out: dict[str, jax.Array]) -> Metrics:

@@ -78,3 +78,9 @@ def test_maxtext_flags_diverge_on_the_aux_loss(tmp_path, capsys):
         "MaxText averages the layers' LB, OLMo-core sums them"
     )
     assert "first divergence at step 1, LB loss" in capsys.readouterr().out
+
+
+def test_a_platform_jax_cannot_find_is_named(tmp_path):
+    """`--platform tpu` where JAX has no TPU (the tests run JAX on the CPU) exits naming it."""
+    with pytest.raises(SystemExit, match="--platform tpu: JAX finds no tpu device"):
+        replay.main(["--platform", "tpu", "--steps", "1", "--out", str(tmp_path)])

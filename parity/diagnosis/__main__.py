@@ -13,7 +13,7 @@ from pathlib import Path
 from parity.diagnosis.ablation import UnknownCandidateError, run_all
 from parity.diagnosis.candidates import DEVICES
 from parity.diagnosis.report import plot, report, verdict
-from parity.run import use_devices
+from parity.run import use_platform
 from parity.trace import load_trace
 
 
@@ -26,7 +26,7 @@ def parser(prog: str = "python -m parity.diagnosis") -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    use_devices(DEVICES)
+    use_platform("cpu", DEVICES)
     trace = load_trace()
     steps = trace.steps if args.steps is None else args.steps
     if not 1 <= steps <= trace.steps:

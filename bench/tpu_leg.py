@@ -1,0 +1,303 @@
+"""`python -m bench.tpu_leg [part ...] [--work DIR] [--steps N]`: the TPU leg on a TPU host, each
+part in a process of its own (one process holds the chip), its record under DIR:
+
+    tests             `pytest -m tpu --tpu-record DIR/tests.json` (tests/test_tpu.py)
+    lockstep-highest  `python -m parity.replay --platform tpu --matmul-precision highest`
+    lockstep-default  the same at "default" (DIR/lockstep-<precision>/replay.json)
+    step              `python -m bench tpu-step --record DIR/step.json`
+    docs              docs/tpu.json and docs/tpu.md from whatever records DIR holds
+
+All of them by default, in that order. OLMo-core runs on the host's CPU. A part that fails (a
+test, a lockstep step) is reported in the docs as it is; the leg exits 1 when any did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from parity.lockstep_check import TENSOR_KINDS, bounds
+from parity.report import LABELS, TENSOR_LABELS
+
+PRECISIONS = ("highest", "default")
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+STEPS = 50
+
+
+def _commands(work: Path, steps: int) -> dict[str, list[str]]:
+    python = sys.executable
+    replay = [python, "-m", "parity.replay", "--platform", "tpu", "--steps", str(steps)]
+    lockstep = {
+        f"lockstep-{p}": [*replay, "--matmul-precision", p, "--out", str(work / f"lockstep-{p}")]
+        for p in PRECISIONS
+    }
+    pytest = [python, "-m", "pytest", "-m", "tpu", "-p", "no:cacheprovider", "-rs"]
+    return {
+        "tests": [*pytest, "--tpu-record", str(work / "tests.json")],
+        **lockstep,
+        "step": [python, "-m", "bench", "tpu-step", "--record", str(work / "step.json")],
+    }
+
+
+def _worst(steps: list[dict], where: str, gap: str) -> dict:
+    """The largest `gap` of any entry of `where` over the steps, with its step and name."""
+    found = [
+        (values[gap], step["step"], name)
+        for step in steps
+        for name, values in step[where].items()
+        if not isinstance(values[gap], list)
+    ]
+    value, step, name = max(found)
+    return {"rel_gap": value, "step": step, "name": name}
+
+
+def _first_tensor_over(steps: list[dict]) -> dict | None:
+    """The first step where a tensor gap exceeds its bound, and its farthest-over tensor."""
+    for step in steps:
+        bound = bounds(step["tokens_rerouted"])
+        over = [
+            (gaps[f"{kind}_rel_gap"] / getattr(bound, field), kind, name)
+            for name, gaps in step["tensors"].items()
+            for kind, field in TENSOR_KINDS.items()
+            if gaps[f"{kind}_rel_gap"] > getattr(bound, field)
+        ]
+        if over:
+            ratio, kind, name = max(over)
+            return {"step": step["step"], "kind": kind, "name": name, "times_its_bound": ratio}
+    return None
+
+
+def lockstep_summary(replay: dict) -> dict:
+    """What docs/tpu.md shows of one lockstep run's replay.json."""
+    lock = replay["lockstep"]
+    steps = lock["steps"]
+    tensors = {}
+    for kind in TENSOR_KINDS:
+        gap = f"{kind}_rel_gap"
+        value, step, name = max(
+            (gaps[gap], s["step"], n) for s in steps for n, gaps in s["tensors"].items()
+        )
+        tensors[kind] = {"rel_gap": value, "step": step, "name": name}
+    rerouted = [sum(s["tokens_rerouted"]) for s in steps]
+    return {
+        "steps": len(steps),
+        "device": replay["device"],
+        "matmul_precision": replay["matmul_precision"],
+        "olmo_core_process_group": replay["olmo_core_process_group"],
+        "passed": lock["passed"],
+        "first_divergence": lock["first_divergence"],
+        "first_tensor_over": _first_tensor_over(steps),
+        "metric": _worst(steps, "metrics", "rel_gap"),
+        "tensors": tensors,
+        "steps_rerouted": sum(1 for r in rerouted if r),
+        "most_slots_rerouted": max(rerouted),
+        "tolerances": lock["tolerances"]["routed_alike"],
+    }
+
+
+def collect(work: Path) -> dict:
+    """docs/tpu.json: the records under `work`, lockstep runs summarised."""
+    record: dict = {}
+    if (work / "tests.json").exists():
+        record["tests"] = json.loads((work / "tests.json").read_text())
+    for p in PRECISIONS:
+        replay = work / f"lockstep-{p}" / "replay.json"
+        if replay.exists():
+            record.setdefault("lockstep", {})[p] = lockstep_summary(json.loads(replay.read_text()))
+    if (work / "step.json").exists():
+        record["step"] = json.loads((work / "step.json").read_text())["tpu-step"]
+    return record
+
+
+def _g(x: float) -> str:
+    return f"{x:.2e}" if abs(x) < 1e-2 or abs(x) >= 1e4 else f"{x:.3g}"
+
+
+def _tests_table(tests: dict) -> list[str]:
+    lines = [
+        "| check | quantity | highest | default | bound (highest) | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in tests["rows"]:
+        verdict = "ok" if r["ok"] else "**over**"
+        lines.append(
+            f"| {r['check']} | {r['quantity']} | {_g(r['highest'])} | {_g(r['default'])} "
+            f"| {_g(r['bound'])} | {verdict} |"
+        )
+    return lines
+
+
+def _divergence(summary: dict) -> str:
+    first = summary["first_divergence"]
+    if first is None:
+        return "every step within the lockstep tolerances"
+    kind, name = first["kind"], first["name"]
+    if kind in TENSOR_LABELS:
+        what = f"{TENSOR_LABELS[kind]} of {name}"
+    elif kind == "layer":
+        what = f"{LABELS[name]} of MoE block {first['block']}"
+    else:
+        what = LABELS.get(name, name)
+    return (
+        f"first leaves them at step {first['step']}: {what} "
+        f"{_g(first['rel_gap'])} > {_g(first['tolerance'])}"
+    )
+
+
+def _lockstep_table(lockstep: dict) -> list[str]:
+    shown = [p for p in PRECISIONS if p in lockstep]
+    tol = lockstep[shown[0]]["tolerances"]
+    lines = [
+        "| quantity | " + " | ".join(shown) + " | tolerance |",
+        "|---|" + "---|" * len(shown) + "---|",
+        "| steps | " + " | ".join(str(lockstep[p]["steps"]) for p in shown) + " | |",
+    ]
+    lines.append(
+        "| worst metric | "
+        + " | ".join(
+            f"{_g(s['metric']['rel_gap'])} ({LABELS[s['metric']['name']]}, step "
+            f"{s['metric']['step']})"
+            for s in (lockstep[p] for p in shown)
+        )
+        + f" | {_g(tol['metric'])} |"
+    )
+    for kind, field in TENSOR_KINDS.items():
+        cells = [
+            f"{_g(t['rel_gap'])} ({t['name']}, step {t['step']})"
+            for t in (lockstep[p]["tensors"][kind] for p in shown)
+        ]
+        lines.append(
+            f"| worst {TENSOR_LABELS[kind]} | " + " | ".join(cells) + f" | {_g(tol[field])} |"
+        )
+    lines.append(
+        "| steps with token slots rerouted (most slots) | "
+        + " | ".join(
+            f"{lockstep[p]['steps_rerouted']} ({lockstep[p]['most_slots_rerouted']})" for p in shown
+        )
+        + " | |"
+    )
+    lines.append("| verdict | " + " | ".join(_divergence(lockstep[p]) for p in shown) + " | |")
+    lines.append(
+        "| first tensor over its tolerance | "
+        + " | ".join(_first_tensor(lockstep[p]["first_tensor_over"]) for p in shown)
+        + " | |"
+    )
+    return lines
+
+
+def _first_tensor(first: dict | None) -> str:
+    if first is None:
+        return "none"
+    return (
+        f"step {first['step']}: {TENSOR_LABELS[first['kind']]} of {first['name']}, "
+        f"{first['times_its_bound']:.3g}x its tolerance"
+    )
+
+
+STEP_FIGURES = (
+    ("compile_s", "compile (trace, lower, compile), s"),
+    ("step_s", "step (best of 5), s"),
+    ("tokens_per_s", "tokens / s"),
+    ("model_flops_per_s", "model FLOP/s"),
+    ("fraction_of_peak", "of the chip's bf16 peak"),
+    ("arguments_gib", "compiler: arguments, GiB"),
+    ("outputs_gib", "compiler: outputs, GiB"),
+    ("temporaries_gib", "compiler: temporaries, GiB"),
+    ("compiler_peak_gib", "compiler: peak, GiB"),
+    ("measured_peak_gib", "measured peak (`memory_stats`), GiB"),
+)
+
+
+def _step_table(step: dict) -> list[str]:
+    lines = ["| figure | default | highest |", "|---|---|---|"]
+    for key, label in STEP_FIGURES:
+        cells = [step[f"{p}.{key}"] for p in ("default", "highest")]
+        text = [f"{c:.1%}" if key == "fraction_of_peak" else _g(c) for c in cells]
+        lines.append(f"| {label} | " + " | ".join(text) + " |")
+    return lines
+
+
+def render(record: dict) -> str:
+    """docs/tpu.md from docs/tpu.json's record."""
+    device = record.get("tests", {}).get("device") or next(
+        (s["device"] for s in record.get("lockstep", {}).values()), "a TPU"
+    )
+    out = [
+        "# The TPU leg",
+        "",
+        f"Generated by `python -m bench.tpu_leg` on {device} (one chip; OLMo-core on the host's "
+        'CPU). Matmul precision is `ScaleConfig.matmul_precision`: "highest" multiplies float32 '
+        'as float32 (six bfloat16 passes), "default" in one bfloat16 pass.',
+    ]
+    if "tests" in record:
+        out += [
+            "",
+            "## The model's numerics on the chip (`pytest -m tpu`, tests/test_tpu.py)",
+            "",
+            'Each check is held at "highest" to the bound shown: the one tests/test_tpu.py held '
+            'when this record was made (goldens/tolerances.py names today\'s). "default" is '
+            "measured beside it.",
+            "",
+            *_tests_table(record["tests"]),
+        ]
+    if "lockstep" in record:
+        group = next(iter(record["lockstep"].values()))["olmo_core_process_group"]
+        out += [
+            "",
+            "## Lockstep, JAX on the chip "
+            "(`python -m parity.replay --platform tpu --matmul-precision P`)",
+            "",
+            "Every step from OLMo-core's state, against the CPU's lockstep tolerances "
+            "(`LOCKSTEP_ROUTED_ALIKE`, shown; `LOCKSTEP_REROUTED` at a step where a token slot "
+            f"went to another expert). OLMo-core's process group: {group}.",
+            "",
+            *_lockstep_table(record["lockstep"]),
+        ]
+    out += [
+        "",
+        "## A hero-width slice's train step on the chip (`python -m bench tpu-step`)",
+        "",
+        "d_model 1024, 4 blocks (KDA 0-2, attention 3; block 0 dense), 64 routed experts of "
+        "1024 in a 512 latent, top 16, seq 4096, GA 2 of 4 sequences, bf16 activations, "
+        "fp32 params and Adam, remat full, 8 vocab tiles (bench/tpu_step.py).",
+        "",
+        *(
+            _step_table(record["step"])
+            if "step" in record
+            else ["Not in this record: `python -m bench.tpu_leg step docs` on a TPU host adds it."]
+        ),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tpu_leg", description=__doc__)
+    commands = _commands(Path("."), STEPS)
+    parser.add_argument("parts", nargs="*", choices=[[], *commands, "docs"], metavar="part")
+    parser.add_argument("--work", type=Path, default=Path("tpu-leg"), help="records (tpu-leg/)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="lockstep steps (50)")
+    args = parser.parse_args(argv)
+    commands = _commands(args.work, args.steps)
+    parts = args.parts or [*commands, "docs"]
+    failed = []
+    for part in parts:
+        if part == "docs":
+            record = collect(args.work)
+            (DOCS / "tpu.json").write_text(json.dumps(record, indent=1))
+            (DOCS / "tpu.md").write_text(render(record))
+            print(f"wrote {DOCS / 'tpu.md'}")
+            continue
+        args.work.mkdir(parents=True, exist_ok=True)
+        print(f"tpu leg: {part}: {' '.join(commands[part])}", flush=True)
+        if subprocess.run(commands[part]).returncode != 0:
+            failed.append(part)
+    if failed:
+        print(f"tpu leg: failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""`python -m bench tpu-step`: the whole train step of a hero-width slice on one TPU chip, at
+matmul precision "default" and "highest" (`ScaleConfig.matmul_precision`), each in a process of
+its own so that the chip's peak memory is the step's alone.
+
+The slice: `olmo35_tiny`'s widths (d_model 1024, vocab 100352, KDA 8 heads of 128 / 256,
+attention 8 / 4 heads of 128, routed experts of 1024 in a 512-wide latent, top 16, a shared
+expert), 4 blocks (block 0 dense; KDA at 0-2, attention at 3), 64 routed experts (EMO
+pools of 16 to 64); seq 4096, GA 2 of 4 sequences; bfloat16 activations, float32 params and
+Adam; remat "full"; 8 vocab tiles; OLMo-core's flags. Tokens are random, with an EOS every
+`DOCUMENT` tokens.
+
+Per precision: compile seconds (trace, lower, compile), the best step of `REPEATS`, tokens a
+second, model FLOP/s (`bench.step.model_flops`) over the chip's bfloat16 peak, the compiler's
+memory plan (arguments, outputs, temporaries, its peak) and the chip's measured peak
+(`memory_stats()["peak_bytes_in_use"]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bench.step import model_flops
+from bench.timing import best_seconds
+from model import config as c
+from model import train_step as ts
+from model.objective import model_terms_fn
+from model.precision import matmul_precision
+from model.sharding import make_model
+
+PRECISIONS = ("default", "highest")
+BLOCKS = 4
+ATTENTION_EVERY = 4
+EXPERTS = 64
+SEQ_LEN = 4096
+GA_STEPS = 2
+ROWS = 4
+"""Sequences a micro-batch."""
+VOCAB_TILES = 8
+DOCUMENT = 1024
+"""Tokens a document: an EOS closes each."""
+REPEATS = 5
+GIB = 2**30
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12}
+"""bfloat16 matmul peak of one chip, by JAX's device kind (Google Cloud's TPU pages)."""
+
+
+def slice_config(precision: str) -> c.Config:
+    """The module docstring's slice at `precision`."""
+    hero = c.olmo_core(c.olmo35_tiny())
+    model = dataclasses.replace(
+        hero.model,
+        n_layers=BLOCKS,
+        layer_types=c.hybrid_layer_types(BLOCKS, ATTENTION_EVERY),
+        moe=dataclasses.replace(
+            hero.model.moe,
+            num_experts=EXPERTS,
+            emo=dataclasses.replace(hero.model.moe.emo, max_pool=EXPERTS, eval_pool=EXPERTS),
+        ),
+        compute_dtype="bfloat16",
+    )
+    train = dataclasses.replace(
+        hero.train,
+        seq_len=SEQ_LEN,
+        ga_steps=GA_STEPS,
+        global_batch_size=GA_STEPS * ROWS,
+        vocab_tiles=VOCAB_TILES,
+    )
+    scale = dataclasses.replace(hero.scale, remat_policy="full", matmul_precision=precision)
+    return dataclasses.replace(hero, model=model, train=train, scale=scale)
+
+
+def micro_batches(cfg: c.Config) -> dict[str, jax.Array]:
+    """[GA, rows, ...] random tokens with an EOS every DOCUMENT, labels shifted by one, segment
+    ids from EOS, each document's EMO pool drawn uniformly."""
+    m, rows = cfg.model, cfg.train.micro_batch_size
+    rng = np.random.default_rng(0)
+    shape = (cfg.train.ga_steps, rows, cfg.train.seq_len + 1)
+    tokens = rng.integers(0, m.eos_token_id, shape, dtype=np.int32)
+    tokens[..., DOCUMENT - 1 :: DOCUMENT] = m.eos_token_id
+    inputs = tokens[..., :-1]
+    eos = inputs == m.eos_token_id
+    segments = np.cumsum(eos, axis=-1) - eos + 1
+    emo = m.moe.emo
+    draws_shape = (*inputs.shape[:2], len(m.moe_layers), inputs.shape[-1])
+    draws = rng.integers(emo.min_pool, emo.max_pool + 1, draws_shape, dtype=np.int32)
+    batch = {"inputs": inputs, "labels": tokens[..., 1:], "inputs_segmentation": segments}
+    return {k: jnp.asarray(v) for k, v in (batch | {"pool_draws": draws}).items()}
+
+
+def measure(precision: str) -> dict[str, float]:
+    """The figures of one precision, in this process (which holds the chip)."""
+    cfg = slice_config(precision)
+    if jax.default_backend() != "tpu":
+        raise SystemExit(f"bench tpu-step needs a TPU: JAX runs on {jax.default_backend()} here")
+    graphdef, params = nnx.split(make_model(cfg))
+    state = jax.tree.map(jnp.copy, ts.init_state(params, cfg))  # one buffer a leaf, to donate
+    batch = micro_batches(cfg)
+    terms = model_terms_fn(graphdef, cfg)
+    step = jax.jit(lambda s, mb: ts.train_step(s, mb, cfg=cfg, terms_fn=terms), donate_argnums=0)
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    plan = compiled.memory_analysis()
+    holder = [state]
+
+    def one_step():
+        holder[0], metrics = compiled(holder[0], batch)
+        jax.block_until_ready(metrics)
+
+    step_s = best_seconds(one_step, repeats=REPEATS)
+    device = jax.devices()[0]
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    flops = model_flops(cfg) / step_s
+    peak = PEAK_FLOPS.get(device.device_kind, float("nan"))
+    return {
+        "compile_s": compile_s,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "model_flops_per_s": flops,
+        "fraction_of_peak": flops / peak,
+        "arguments_gib": plan.argument_size_in_bytes / GIB,
+        "outputs_gib": plan.output_size_in_bytes / GIB,
+        "temporaries_gib": plan.temp_size_in_bytes / GIB,
+        "compiler_peak_gib": plan.peak_memory_in_bytes / GIB,
+        "measured_peak_gib": device.memory_stats()["peak_bytes_in_use"] / GIB,
+    }
+
+
+def run() -> dict[str, float]:
+    """Each precision in a child process (this one never opens the chip); figures named
+    "<precision>.<figure>"."""
+    figures: dict[str, float] = {}
+    for precision in PRECISIONS:
+        if matmul_precision(slice_config(precision)) != precision:
+            raise ValueError(f"the slice does not run at {precision}")
+        child = [sys.executable, "-m", "bench.tpu_step", precision]
+        done = subprocess.run(child, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"bench tpu-step at {precision} failed:\n{done.stderr[-3000:]}")
+        measured = json.loads(done.stdout.strip().splitlines()[-1])
+        figures |= {f"{precision}.{k}": v for k, v in measured.items()}
+    return figures
+
+
+def summary(figures: dict[str, float]) -> list[str]:
+    return [
+        f"{p}: step {figures[f'{p}.step_s']:.3f} s, {figures[f'{p}.fraction_of_peak']:.1%} of "
+        f"the chip's bf16 peak, measured peak {figures[f'{p}.measured_peak_gib']:.2f} GiB"
+        for p in PRECISIONS
+    ]
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(sys.argv[1])))
