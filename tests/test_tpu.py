@@ -17,6 +17,8 @@ docs/tpu.md (`--tpu-record`, `python -m bench.tpu_leg`):
 
 Bounds measured on the chip are named TPU_* in goldens/tolerances.py."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -238,8 +240,6 @@ def test_megablox_against_the_naive_dispatch_at_hero_widths(tpu_record):
 def _micro_step(trace, precision: str, device):
     """The micro train step's gradients (OLMo-core names) and reported terms at trace step 1,
     from OLMo-core's step-0 weights, on `device`."""
-    import dataclasses
-
     cfg = trace.config
     cfg = dataclasses.replace(cfg, scale=dataclasses.replace(cfg.scale, matmul_precision=precision))
     graphdef, params = nnx.split(from_olmo_core(trace.params(0), cfg.model, flags=cfg.flags))
