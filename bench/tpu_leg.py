@@ -43,7 +43,8 @@ def _commands(work: Path, steps: int) -> dict[str, list[str]]:
 
 
 def _worst(steps: list[dict], where: str, gap: str) -> dict:
-    """The largest `gap` of any entry of `where` over the steps, with its step and name."""
+    """The largest `gap` of any entry of `where` over the steps (a per-layer list left out),
+    with its step and name."""
     found = [
         (values[gap], step["step"], name)
         for step in steps
@@ -74,13 +75,7 @@ def lockstep_summary(replay: dict) -> dict:
     """What docs/tpu.md shows of one lockstep run's replay.json."""
     lock = replay["lockstep"]
     steps = lock["steps"]
-    tensors = {}
-    for kind in TENSOR_KINDS:
-        gap = f"{kind}_rel_gap"
-        value, step, name = max(
-            (gaps[gap], s["step"], n) for s in steps for n, gaps in s["tensors"].items()
-        )
-        tensors[kind] = {"rel_gap": value, "step": step, "name": name}
+    tensors = {kind: _worst(steps, "tensors", f"{kind}_rel_gap") for kind in TENSOR_KINDS}
     rerouted = [sum(s["tokens_rerouted"]) for s in steps]
     return {
         "steps": len(steps),
