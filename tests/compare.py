@@ -19,6 +19,21 @@ def _leaves(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
 
 
+def _allowed(expected: np.ndarray, tol: Tol) -> np.ndarray:
+    """atol + rtol |expected|, elementwise."""
+    return tol.atol + tol.rtol * np.abs(expected)
+
+
+def tolerance_used(expected, actual, tol: Tol) -> float:
+    """The largest |actual - expected| / (atol + rtol |expected|) over every leaf: `assert_close`
+    passes where this is at most 1."""
+    want, got = _leaves(expected), _leaves(actual)
+    return max(
+        float(np.max(np.abs(got[p].astype(np.float64) - e) / _allowed(e, tol)))
+        for p, e in ((p, want[p].astype(np.float64)) for p in want)
+    )
+
+
 def assert_close(name: str, *, expected, actual, tol: Tol) -> None:
     """Fail unless every leaf has |actual - expected| <= tol.atol + tol.rtol * |expected|."""
     want, got = _leaves(expected), _leaves(actual)
@@ -40,7 +55,7 @@ def assert_close(name: str, *, expected, actual, tol: Tol) -> None:
             continue
         e64, a64 = e.astype(np.float64), a.astype(np.float64)
         err = np.abs(a64 - e64)
-        if np.all(err <= tol.atol + tol.rtol * np.abs(e64)):
+        if np.all(err <= _allowed(e64, tol)):
             continue
         rel_rms = np.sqrt(np.mean(err**2) / max(np.mean(e64**2), np.finfo(np.float64).tiny))
         problems.append(

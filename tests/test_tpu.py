@@ -37,7 +37,6 @@ from goldens.tolerances import (
     TPU_ROUNDING_PARITY,
     TPU_STEP_GRAD,
     TPU_STEP_TERMS,
-    Tol,
 )
 from model import train_step as ts
 from model.config import olmo35_tiny
@@ -47,7 +46,12 @@ from model.moe import megablox_matmul, naive_routed_experts, routed_experts
 from model.objective import model_terms_fn
 from parity.kda_systems import WEAK_TO_STRONG, correlated_system, fp64_inverse
 from parity.trace import load_trace
-from tests.compare import assert_close, assert_rounding_parity, rounding_ratios
+from tests.compare import (
+    assert_close,
+    assert_rounding_parity,
+    rounding_ratios,
+    tolerance_used,
+)
 from tests.micro_olmo_core import block_outputs, mixer_outputs, model_outputs, olmo_core_model
 
 pytestmark = pytest.mark.tpu
@@ -95,16 +99,6 @@ def _both(measure):
     return out
 
 
-def _used(expected, actual, tol: Tol) -> float:
-    """The largest |actual - expected| / (atol + rtol |expected|) over the leaves: <= 1 passes
-    `assert_close`."""
-    worst = 0.0
-    for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
-        e64, a64 = np.asarray(e, np.float64), np.asarray(a, np.float64)
-        worst = max(worst, float(np.max(np.abs(a64 - e64) / (tol.atol + tol.rtol * np.abs(e64)))))
-    return worst
-
-
 @pytest.mark.parametrize(("case", "weights", "outputs"), ORACLE_CASES)
 def test_rounding_parity_on_the_chip(golden, tpu_record, case, weights, outputs):
     oracle = golden(f"oracle/{case}_{weights}.safetensors")
@@ -143,7 +137,7 @@ def test_chunk_kda_against_fla_on_the_chip(golden, tpu_record):
         ("output and final state", KDA_FORWARD, 0, expected_out),
         ("gradients", TPU_KDA_GRAD, 1, expected_grads),
     ):
-        used = {p: _used(expected, out[pick], tol) for p, out in ours.items()}
+        used = {p: tolerance_used(expected, out[pick], tol) for p, out in ours.items()}
         tpu_record(f"chunk_kda vs FLA, {what}", "largest error / its tolerance", **used, bound=1.0)
     (o, final), grads = ours["highest"]
     assert_close("o", expected=g["recurrent.o"], actual=o, tol=KDA_FORWARD)
