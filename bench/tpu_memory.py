@@ -32,7 +32,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import topologies
 
 from model import config as c
 from model import train_step as ts
@@ -44,6 +43,7 @@ from model.sharding import (
     state_shardings,
     with_shardings,
 )
+from parity.tpu_topology import tpu_devices
 
 GIB = 2**30
 HBM_GIB = 32
@@ -76,14 +76,7 @@ class Target:
     remat: str
 
     def devices(self):
-        return topologies.get_topology_desc(
-            platform="tpu",
-            topology_name=self.topology,
-            chip_config_name="megacore",
-            chips_per_host_bounds=(2, 2, 1),
-            num_slices=1,
-            wrap=(True, True, True),
-        ).devices
+        return tpu_devices(self.topology)
 
 
 TARGETS = {

@@ -103,6 +103,7 @@ def measure(precision: str) -> dict[str, float]:
         raise SystemExit(f"bench tpu-step needs a TPU: JAX runs on {jax.default_backend()} here")
     graphdef, params = nnx.split(make_model(cfg))
     state = jax.tree.map(jnp.copy, ts.init_state(params, cfg))  # one buffer a leaf, to donate
+    del params  # the state holds its own copy; two would not fit beside the step's temporaries
     batch = micro_batches(cfg)
     terms = model_terms_fn(graphdef, cfg)
     step = jax.jit(lambda s, mb: ts.train_step(s, mb, cfg=cfg, terms_fn=terms), donate_argnums=0)

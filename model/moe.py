@@ -87,8 +87,41 @@ def megablox_matmul(
     tiling = tuple(min(MEGABLOX_TILE, n) for n in (x.shape[0], *w.shape[1:]))
     grouped = (jnp.arange(x.shape[0]) < jnp.sum(group_sizes))[:, None]
     x = jnp.where(grouped, x, 0)
-    y = megablox.gmm(x, w, group_sizes, x.dtype, tiling, None, None, False, interpret)
+    y = _gmm(x, w, group_sizes, tiling, interpret, kernel_precision(x.dtype, w.dtype))
     return jnp.where(grouped, y, 0)
+
+
+def kernel_precision(*dtypes) -> str | None:
+    """The matmul precision megablox's kernels run at, from the trace's: Mosaic multiplies
+    bfloat16 tiles in one pass only ("default"; their products are exact in its float32
+    accumulator), and has no "high" (three bfloat16 passes): float32 tiles run at "highest"."""
+    traced = jax.config.jax_default_matmul_precision
+    if all(d == jnp.bfloat16 for d in dtypes):
+        return "default"
+    return "highest" if traced == "high" else traced
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm(x, w, group_sizes, tiling, interpret, precision):
+    """megablox `gmm` (its backward `tgmm`) with every kernel dot, forward and backward, at
+    `precision`."""
+    return _gmm_fwd(x, w, group_sizes, tiling, interpret, precision)[0]
+
+
+def _gmm_fwd(x, w, group_sizes, tiling, interpret, precision):
+    def gmm(x, w):
+        return megablox.gmm(x, w, group_sizes, x.dtype, tiling, None, None, False, interpret)
+
+    with jax.default_matmul_precision(precision):
+        return jax.vjp(gmm, x, w)
+
+
+def _gmm_bwd(tiling, interpret, precision, vjp, dy):
+    with jax.default_matmul_precision(precision):
+        return (*vjp(dy), None)
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def routed_experts(

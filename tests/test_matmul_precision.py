@@ -85,10 +85,21 @@ def test_float64_compute_resolves_to_highest():
     assert matmul_precision(_config(None, "float64")) == "highest"
 
 
-def test_the_megablox_kernels_take_the_precision_too():
+@pytest.mark.parametrize(
+    ("precision", "dtype", "in_kernels"),
+    [
+        ("default", "float32", "default"),
+        ("highest", "float32", "highest"),
+        ("highest", "bfloat16", "default"),
+        ("high", "float32", "highest"),
+    ],
+)
+def test_the_megablox_kernels_take_the_precision_too(precision, dtype, in_kernels):
     """A train step whose objective runs the routed experts by megablox at 128-wide widths: the
-    dots inside its Pallas kernels (gmm forward; gmm and tgmm backward) carry the precision."""
-    cfg = _config("default")
+    dots inside its Pallas kernels (gmm forward; gmm and tgmm backward) carry the precision
+    Mosaic compiles nearest it (`model.moe.kernel_precision`): bfloat16 tiles in one pass
+    ("default"), float32 tiles at "highest" for "high"."""
+    cfg = _config(precision)
     E, N, k, L, H = 4, 256, 2, 128, 128
     params = {
         "w_up_gate": jax.ShapeDtypeStruct((E, 2 * H, L), jnp.float32),
@@ -103,20 +114,22 @@ def test_the_megablox_kernels_take_the_precision_too():
 
     def terms(p, mb, div):
         y = routed_experts(
-            mb["z"],
+            mb["z"].astype(dtype),
             mb["indices"],
-            mb["weights"],
-            p["w_up_gate"],
-            p["w_down"],
+            mb["weights"].astype(dtype),
+            p["w_up_gate"].astype(dtype),
+            p["w_down"].astype(dtype),
             matmul=megablox_matmul,
         )
-        return {"ce": jnp.sum(y**2) / div, "z_loss": jnp.zeros(())}
+        return {"ce": jnp.sum(y.astype(jnp.float32) ** 2) / div, "z_loss": jnp.zeros(())}
 
     accumulate = lambda p, mb: ts.accumulate(p, mb, cfg=cfg, terms_fn=terms)  # noqa: E731
     found = _dot_precisions(jax.make_jaxpr(accumulate)(params, batch).jaxpr)
-    in_kernels = sum(n for (in_kernel, _), n in found.items() if in_kernel)
-    assert in_kernels >= 4, found
-    assert {p for _, p in found} == {(lax.Precision.DEFAULT,) * 2}, found
+    kernel = {p for (in_kernel, p), n in found.items() if in_kernel}
+    outside = {p for (in_kernel, p), n in found.items() if not in_kernel}
+    assert sum(n for (in_kernel, _), n in found.items() if in_kernel) >= 4, found
+    assert kernel == {(lax.Precision(in_kernels),) * 2}, found
+    assert outside <= {(lax.Precision(precision),) * 2}, found
 
 
 @pytest.mark.parametrize("bad", ["fp32", "HIGHEST", "bfloat16"])
