@@ -72,16 +72,29 @@ def parity_gaps(oracle, actual: dict) -> dict[str, float]:
     return {name: norm_gap(value, oracle[name]) for name, value in actual.items()}
 
 
-def assert_formula_parity(case: str, oracle, actual: dict, bound: float = FORMULA_PARITY) -> None:
-    """JAX float64 vs OLMo-core float64: every tensor within `bound` of the oracle's (relative, by
-    norms). Fails naming every tensor that is not."""
-    bad = {n: g for n, g in parity_gaps(oracle, actual).items() if not g <= bound}
+def leaf_gaps(expected, actual) -> dict[str, float]:
+    """|actual - expected| / |expected| (norms) of each leaf of two pytrees, by its path: each
+    tensor against its own norm, however small."""
+    want, got = _leaves(expected), _leaves(actual)
+    return {path: norm_gap(got[path], e) for path, e in want.items()}
+
+
+def assert_gaps_within(case: str, gaps: dict[str, float], bound: float, what: str) -> None:
+    """Fail naming every tensor whose relative gap (`gaps`, by norms) is over `bound`, or NaN."""
+    bad = {n: g for n, g in gaps.items() if not g <= bound}
     if bad:
         lines = [f"  {n}: relative error {g:.3e}" for n, g in sorted(bad.items())]
         raise AssertionError(
-            f"{case}: formula parity (float64 vs OLMo-core float64, allowed {bound:g}) fails "
-            f"for {len(bad)} of {len(actual)} tensors:\n" + "\n".join(lines)
+            f"{case}: {what} (allowed {bound:g}, relative to each tensor's norm) fails "
+            f"for {len(bad)} of {len(gaps)} tensors:\n" + "\n".join(lines)
         )
+
+
+def assert_formula_parity(case: str, oracle, actual: dict, bound: float = FORMULA_PARITY) -> None:
+    """JAX float64 vs OLMo-core float64: every tensor within `bound` of the oracle's (relative, by
+    norms). Fails naming every tensor that is not."""
+    gaps = parity_gaps(oracle, actual)
+    assert_gaps_within(case, gaps, bound, "formula parity (float64 vs OLMo-core float64)")
 
 
 def rounding_ratios(oracle, actual: dict) -> dict[str, tuple[float, float]]:
