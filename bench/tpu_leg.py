@@ -58,7 +58,7 @@ def _worst(steps: list[dict], where: str, gap: str) -> dict:
 def _first_tensor_over(steps: list[dict]) -> dict | None:
     """The first step where a tensor gap exceeds its bound, and its farthest-over tensor."""
     for step in steps:
-        bound = bounds(step["tokens_rerouted"])
+        bound = bounds(step["step"], step["tokens_rerouted"])
         over = [
             (gaps[f"{kind}_rel_gap"] / getattr(bound, field), kind, name)
             for name, gaps in step["tensors"].items()

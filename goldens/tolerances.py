@@ -308,28 +308,40 @@ block 1's A_log gradient 1.9e-3 off relative to its own norm at step 3, 3.6e-7 f
 class LockstepBounds:
     """Lockstep bounds of one step, every gap relative (tensors: over their floored norm):
     `metric` each metric and MoE layer's LB and router z-loss; `grad` each tensor's gradient
-    before clipping; `update` the whole step's p(s + 1) - p(s); `optimizer` the update and both
-    Adam moments of the JAX optimizer alone, on OLMo-core's gradients."""
+    before clipping; `first_update` and `update` the whole step's p(s + 1) - p(s) at step 1 and
+    after it; `moments` the whole step's Adam moments; `optimizer` the update and both Adam
+    moments of the JAX optimizer alone, on OLMo-core's gradients."""
 
     metric: float
     grad: float
+    first_update: float
     update: float
+    moments: float
     optimizer: float
 
 
-LOCKSTEP_ROUTED_ALIKE = LockstepBounds(metric=1e-4, grad=3e-4, update=1e-1, optimizer=1e-5)
+LOCKSTEP_ROUTED_ALIKE = LockstepBounds(
+    metric=1e-4, grad=3e-4, first_update=1e-1, update=5e-4, moments=3e-4, optimizer=1e-5
+)
 """A step where every MoE layer gave each expert as many token slots as OLMo-core did (296 of the
-first epoch's 302 steps). Measured over the epoch, this 2-core AMD EPYC: metrics 3.5e-6 (grad
-norm, step 254; 1/28), layers 3.5e-7; gradients 2.3e-5 (block 0's q_conv1d, step 2; 1/13); the
-whole step's update 6.8e-3 at step 1 (1/15), where Adam's first step g / (|g| + eps) turns the
-rounding of gradients near eps into full-size updates, <= 5.0e-5 after it; the optimizer alone
-6.3e-7 (Adam m; update 1.2e-7, v 3.8e-7; 1/16)."""
-LOCKSTEP_REROUTED = LockstepBounds(metric=1e-3, grad=4e-1, update=2e-1, optimizer=1e-5)
+first epoch's 302 steps on a 2-core AMD EPYC, 300 on an Intel Xeon). Measured over the epoch, the
+AMD EPYC: metrics 3.5e-6 (grad norm, step 254; 1/28), layers 3.5e-7; gradients 2.3e-5 (block 0's
+q_conv1d, step 2; 1/13); the whole step's update 6.8e-3 at step 1 (1/15), where Adam's first step
+g / (|g| + eps) turns the rounding of gradients near eps into full-size updates, <= 5.0e-5 after
+it (1/10); the optimizer alone 6.3e-7 (Adam m; update 1.2e-7, v 3.8e-7; 1/16). The Intel Xeon:
+gradients 3.2e-5, the update 4.3e-3 at step 1 and <= 3.4e-5 after it, the whole step's Adam
+moments 2.2e-5 (v of block 0's q_conv1d at step 1; m 1.8e-5; 1/13.5), the optimizer alone 6.6e-7.
+An update 0.1% off at step 2 or later is 2x over `update`."""
+LOCKSTEP_REROUTED = LockstepBounds(
+    metric=1e-3, grad=4e-1, first_update=2e-1, update=2e-1, moments=4e-1, optimizer=1e-5
+)
 """A step where a near-tie sent one token slot to another expert in JAX than in OLMo-core (steps
-25, 26, 51, 68, 223, 248 of the epoch, one slot each). That layer's expert gradients change by
-what one token contributes. Measured: gradients 3.1e-2 (block 5's latent_up_proj, step 248;
-1/13), the update 1.7e-2 (1/11), metrics 4.9e-5 (grad norm, step 248; 1/20), the optimizer alone
-1.9e-7."""
+25, 26, 51, 68, 223, 248 of the epoch on the AMD EPYC, 77 and 154 on the Intel Xeon; one slot
+each). That layer's expert gradients change by what one token contributes. Measured on the AMD
+EPYC: gradients 3.1e-2 (block 5's latent_up_proj, step 248; 1/13), the update 1.7e-2 (1/11),
+metrics 4.9e-5 (grad norm, step 248; 1/20), the optimizer alone 1.9e-7. On the Intel Xeon (step
+154, block 2's router): gradients 6.2e-2 (1/6.5), the update 6.0e-2 (1/3.3), the whole step's
+Adam m 3.5e-2 (1/11.6). No rerouted step 1 was seen: `first_update` is `update`."""
 LOCKSTEP_REROUTED_TOKENS = 10
 """Lockstep: most token slots a MoE layer may send elsewhere than OLMo-core in one step.
 Measured: 1 (six steps of the epoch); a routing bug moves many."""

@@ -6,18 +6,21 @@ Both sides start from the same state, so each gap is one step's rounding, not co
   LOCKSTEP_REROUTED instead of LOCKSTEP_ROUTED_ALIKE (`bounds`);
 - every metric and each MoE layer's LB and router z-loss: its relative gap; the skip decision
   equal;
-- every parameter tensor: its gradient before clipping and the whole step's update
-  p(s + 1) - p(s); then the JAX optimizer alone on OLMo-core's gradients, its update and Adam's
-  moments. Each gap is |ours - OLMo-core's| over OLMo-core's norm, floored at
-  LOCKSTEP_SMALL_TENSOR_FLOOR times the same quantity's norm over the whole model (a few KDA gate
-  tensors carry gradients 1e-6 of the whole: their own norm would measure rounding alone). The
-  whole step's update is loose: Adam turns the rounding of gradients near its eps into full-size
-  updates. The optimizer alone is tight: it sees the same gradients;
+- every parameter tensor: its gradient before clipping, the whole step's update
+  p(s + 1) - p(s) and Adam's moments after it; then the JAX optimizer alone on OLMo-core's
+  gradients, its update and Adam's moments. Each gap is |ours - OLMo-core's| over OLMo-core's
+  norm, floored at LOCKSTEP_SMALL_TENSOR_FLOOR times the same quantity's norm over the whole
+  model (a few KDA gate tensors carry gradients 1e-6 of the whole: their own norm would measure
+  rounding alone). The whole step's update is loose at step 1, where Adam turns the rounding of
+  gradients near its eps into full-size updates, and tight after it. The optimizer alone is
+  tight: it sees the same gradients;
 - OLMo-core's own metrics against the golden trace's (the free-running check: equal on the CPU
   that made the trace, within its one-ulp envelope on another).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -44,6 +47,8 @@ from parity.trace import GoldenTrace
 TENSOR_KINDS = {
     "grad": "grad",
     "update": "update",
+    "step_exp_avg": "moments",
+    "step_exp_avg_sq": "moments",
     "optimizer_update": "optimizer",
     "exp_avg": "optimizer",
     "exp_avg_sq": "optimizer",
@@ -97,15 +102,17 @@ def tokens_rerouted(ours, golden) -> list[int]:
     return moved.tolist()
 
 
-def bounds(rerouted: list[int]) -> LockstepBounds:
-    """The step's bounds: LOCKSTEP_REROUTED where a MoE layer rerouted a token slot."""
-    return LOCKSTEP_REROUTED if any(rerouted) else LOCKSTEP_ROUTED_ALIKE
+def bounds(step: int, rerouted: list[int]) -> LockstepBounds:
+    """The bounds of step `step`: LOCKSTEP_REROUTED where a MoE layer rerouted a token slot; at
+    step 1 `update` is their `first_update`."""
+    chosen = LOCKSTEP_REROUTED if any(rerouted) else LOCKSTEP_ROUTED_ALIKE
+    return dataclasses.replace(chosen, update=chosen.first_update) if step == 1 else chosen
 
 
 def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> LockstepStep:
     golden = oc.result
     rerouted = tokens_rerouted(ours.metrics["expert_counts"], golden.metrics["expert_counts"])
-    bar = bounds(rerouted).metric
+    bar = bounds(oc.step, rerouted).metric
     metrics = {
         name: checked(ours.metrics[name], golden.metrics[name], 0.0, bar) for name in METRICS
     }
@@ -122,6 +129,8 @@ def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> Lockst
     gaps = {
         "grad": tensor_gaps(ours.grads, golden.grads),
         "update": update_gaps(before, ours.after.params, golden.after.params),
+        "step_exp_avg": tensor_gaps(ours.after.exp_avg, golden.after.exp_avg),
+        "step_exp_avg_sq": tensor_gaps(ours.after.exp_avg_sq, golden.after.exp_avg_sq),
         "optimizer_update": update_gaps(before, alone.params, golden.after.params),
         "exp_avg": tensor_gaps(alone.exp_avg, golden.after.exp_avg),
         "exp_avg_sq": tensor_gaps(alone.exp_avg_sq, golden.after.exp_avg_sq),
@@ -159,7 +168,7 @@ def _over(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
             )
     if check.skipped.ours != check.skipped.golden:
         out.append(LockstepDivergence(s, "skipped", "skipped", None, 1.0, 0.0))
-    step_bounds = bounds(check.tokens_rerouted)
+    step_bounds = bounds(s, check.tokens_rerouted)
     for name, t in check.tensors.items():
         for kind, field in TENSOR_KINDS.items():
             gap, tol = getattr(t, f"{kind}_rel_gap"), getattr(step_bounds, field)

@@ -121,11 +121,13 @@ class ReplayRecord:
 class TensorGaps:
     """One parameter tensor at one lockstep step, |ours - OLMo-core's| / |OLMo-core's| (Frobenius
     norms; see `parity.lockstep_check` for small tensors): its gradient before clipping, the whole
-    step's update p(s + 1) - p(s); the update and Adam's two moments after the step of the JAX
-    optimizer alone, on OLMo-core's gradients."""
+    step's update p(s + 1) - p(s) and Adam's two moments after it; the update and Adam's two
+    moments after the step of the JAX optimizer alone, on OLMo-core's gradients."""
 
     grad_rel_gap: float
     update_rel_gap: float
+    step_exp_avg_rel_gap: float
+    step_exp_avg_sq_rel_gap: float
     optimizer_update_rel_gap: float
     exp_avg_rel_gap: float
     exp_avg_sq_rel_gap: float

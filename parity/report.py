@@ -58,6 +58,8 @@ def window_table(steps: list[StepCheck] | list[LockstepStep], *, title: str) -> 
 TENSOR_LABELS = {
     "grad": "gradient",
     "update": "update",
+    "step_exp_avg": "Adam m",
+    "step_exp_avg_sq": "Adam v",
     "optimizer_update": "optimizer's update",
     "exp_avg": "optimizer's Adam m",
     "exp_avg_sq": "optimizer's Adam v",
@@ -69,7 +71,7 @@ WORST_SHOWN = 5
 
 def _tensor_ratios(step: LockstepStep, kind: str) -> list[tuple[float, float, float, str]]:
     """(gap / tolerance, gap, tolerance, tensor) of every tensor for one `TensorGaps` kind."""
-    tol = getattr(bounds(step.tokens_rerouted), TENSOR_KINDS[kind])
+    tol = getattr(bounds(step.step, step.tokens_rerouted), TENSOR_KINDS[kind])
     gaps = ((getattr(t, f"{kind}_rel_gap"), n) for n, t in step.tensors.items())
     return [(gap / tol, gap, tol, n) for gap, n in gaps]
 

@@ -3,9 +3,11 @@ OLMo-core's state every step. Five steps with the JAX side on 8 simulated device
 (`python -m parity.replay --steps 5 --mesh fsdp=4,expert=2`) pass on every metric, MoE layer and
 tensor (gradient, update, Adam moments) within the measured LOCKSTEP_* tolerances, OLMo-core's
 metrics are the trace's, and replay.json has the issue's format. On one device, one MoE layer's
-router gradient 1% off at step 3 is named: step, tensor, block. The other faults and the whole
-epoch, on one device: tests/test_lockstep_full.py."""
+router gradient 1% off at step 3 is named: step, tensor, block; at step 2 of the same run, the
+whole step's update 0.1% off and one tensor's Adam moment 1% off are named. The other faults
+(tests/test_injected_faults.py) and the whole epoch (tests/test_lockstep_full.py) are slow."""
 
+import dataclasses
 import json
 
 import pytest
@@ -52,11 +54,11 @@ def test_five_steps_on_a_mesh_pass_on_every_metric_layer_and_tensor(lockstepped)
         for name in METRICS:
             m = entry["metrics"][name]
             assert set(m) >= {"ours", "golden", "rel_gap"}
-            assert m["rel_gap"] <= bounds(entry["tokens_rerouted"]).metric
+            assert m["rel_gap"] <= bounds(entry["step"], entry["tokens_rerouted"]).metric
         for name in AUX_TERMS:
             assert len(entry["layers"][name]["ours"]) == len(load_trace().moe_blocks)
         assert set(entry["tensors"]) == names
-        step_bounds = bounds(entry["tokens_rerouted"])
+        step_bounds = bounds(entry["step"], entry["tokens_rerouted"])
         for tensor, gaps in entry["tensors"].items():
             for kind, field in TENSOR_KINDS.items():
                 gap = gaps[f"{kind}_rel_gap"]
@@ -64,16 +66,66 @@ def test_five_steps_on_a_mesh_pass_on_every_metric_layer_and_tensor(lockstepped)
     assert (out / "replay.png").stat().st_size > 10_000
 
 
-def test_a_router_gradient_one_percent_off_is_named_at_its_step():
+@pytest.fixture(scope="module")
+def router_fault():
+    """Steps 1-3 on one device with the router fault from step 3: (OLMo-core's step, ours)."""
     trace = load_trace()
-    expected = FAULTS["router_grad_1.01x_at_3"]
-    checks = []
+    steps = []
     lockstep(
         trace,
-        Run(trace.config, fault=expected.fault),
-        steps=expected.fault.first,
-        on_step=lambda oc, ours: checks.append(check_step(trace, oc, ours)),
+        Run(trace.config, fault=FAULTS["router_grad_1.01x_at_3"].fault),
+        steps=3,
+        on_step=lambda oc, ours: steps.append((oc, ours)),
     )
-    first = lockstep_record(trace, checks).first_divergence
+    return steps
+
+
+def _first_divergence(steps):
+    trace = load_trace()
+    checks = [check_step(trace, oc, ours) for oc, ours in steps]
+    return lockstep_record(trace, checks).first_divergence
+
+
+def test_a_router_gradient_one_percent_off_is_named_at_its_step(router_fault):
+    first = _first_divergence(router_fault)
     assert first is not None
     assert (first.step, first.kind, first.name, first.block) == (3, "grad", ROUTER, 3)
+
+
+def _step_two_changed(router_fault, change):
+    """Steps 1-2 (before the router fault acts) with `change(before, after)` -> the fields of our
+    state after step 2 it replaces."""
+    oc, ours = router_fault[1]
+    after = dataclasses.replace(ours.after, **change(oc.before, ours.after))
+    return [router_fault[0], (oc, dataclasses.replace(ours, after=after))]
+
+
+def test_the_whole_steps_update_one_permille_off_is_named_at_step_two(router_fault):
+    """Every update p(3) - p(2) 1.001x, as an LR 0.1% high where the step applies it: step 1's
+    loose bound (Adam's first step) no longer covers the steps after it."""
+
+    def lr_higher(before, after):
+        return {
+            "params": {
+                n: before.params[n] + 1.001 * (p - before.params[n])
+                for n, p in after.params.items()
+            }
+        }
+
+    assert _first_divergence(router_fault[:2]) is None
+    first = _first_divergence(_step_two_changed(router_fault, lr_higher))
+    assert first is not None and (first.step, first.kind) == (2, "update"), first
+
+
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_the_whole_steps_adam_moment_one_percent_off_is_named(router_fault, moment):
+    """Block 4's attention output weight's Adam moment after the whole step 1% off at step 2."""
+    name = "blocks.4.attention.w_out.weight"
+
+    def off(before, after):
+        moments = getattr(after, moment)
+        return {moment: moments | {name: moments[name] * 1.01}}
+
+    first = _first_divergence(_step_two_changed(router_fault, off))
+    assert first is not None, moment
+    assert (first.step, first.kind, first.name) == (2, f"step_{moment}", name), first
