@@ -55,6 +55,19 @@ def _worst(steps: list[dict], where: str, gap: str) -> dict:
     return {"rel_gap": value, "step": step, "name": name}
 
 
+def _nearest_bound(steps: list[dict], kind: str, field: str) -> dict:
+    """The tensor gap of `kind` nearest (or farthest over) the bound of its own step
+    (`bounds`: step 1's update and rerouted steps are held looser), with that bound."""
+    found = []
+    for step in steps:
+        bound = getattr(bounds(step["step"], step["tokens_rerouted"]), field)
+        for name, gaps in step["tensors"].items():
+            gap = gaps[f"{kind}_rel_gap"]
+            found.append((gap / bound, gap, bound, step["step"], name))
+    _, gap, bound, step, name = max(found)
+    return {"rel_gap": gap, "step": step, "name": name, "tolerance": bound}
+
+
 def _first_tensor_over(steps: list[dict]) -> dict | None:
     """The first step where a tensor gap exceeds its bound, and its farthest-over tensor."""
     for step in steps:
@@ -75,7 +88,7 @@ def lockstep_summary(replay: dict) -> dict:
     """What docs/tpu.md shows of one lockstep run's replay.json."""
     lock = replay["lockstep"]
     steps = lock["steps"]
-    tensors = {kind: _worst(steps, "tensors", f"{kind}_rel_gap") for kind in TENSOR_KINDS}
+    tensors = {kind: _nearest_bound(steps, kind, field) for kind, field in TENSOR_KINDS.items()}
     rerouted = [sum(s["tokens_rerouted"]) for s in steps]
     return {
         "steps": len(steps),
@@ -159,13 +172,13 @@ def _lockstep_table(lockstep: dict) -> list[str]:
         )
         + f" | {_g(tol['metric'])} |"
     )
-    for kind, field in TENSOR_KINDS.items():
+    for kind in TENSOR_KINDS:
         cells = [
-            f"{_g(t['rel_gap'])} ({t['name']}, step {t['step']})"
+            f"{_g(t['rel_gap'])} ({t['name']}, step {t['step']}; tolerance {_g(t['tolerance'])})"
             for t in (lockstep[p]["tensors"][kind] for p in shown)
         ]
         lines.append(
-            f"| worst {TENSOR_LABELS[kind]} | " + " | ".join(cells) + f" | {_g(tol[field])} |"
+            f"| {TENSOR_LABELS[kind]} nearest its step's tolerance | " + " | ".join(cells) + " | |"
         )
     lines.append(
         "| steps with token slots rerouted (most slots) | "
