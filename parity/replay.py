@@ -48,6 +48,7 @@ from parity.run import (
     teacher_forced,
     use_platform,
 )
+from parity.tpu_runtime import TRANSCENDENTALS, use_transcendentals
 from parity.trace import GoldenTrace, load_trace
 
 
@@ -109,6 +110,14 @@ def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
         default=None,
         help="the JAX side's matmul precision (ScaleConfig.matmul_precision; default: highest, "
         "float32's)",
+    )
+    parser.add_argument(
+        "--tpu-transcendentals",
+        choices=TRANSCENDENTALS,
+        default=None,
+        help="with --platform tpu: the chip's float32 exp, log, pow and sigmoid, libtpu's "
+        "accurate ones (default; a CPU's 1-3 ulps) or its default ones (up to 4,000 ulps; "
+        "parity.tpu_runtime)",
     )
     return parser
 
@@ -193,11 +202,23 @@ def _teacher_forced(args, trace: GoldenTrace, setup: Run, steps: int, console: C
 VIEWS = {"lockstep": _lockstep, "free-running": _free_running, "teacher-forced": _teacher_forced}
 
 
+def _transcendentals(args: argparse.Namespace) -> str | None:
+    """--tpu-transcendentals on a TPU ("accurate" unless given), None elsewhere."""
+    if args.platform != "tpu":
+        if args.tpu_transcendentals is not None:
+            raise SystemExit(f"--tpu-transcendentals needs --platform tpu, not {args.platform}")
+        return None
+    return args.tpu_transcendentals or "accurate"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the view, print its tables and verdict, write replay.json (and replay.png, but for
     the teacher-forced view). Returns the exit code: 0 when every step is within tolerance."""
     if args.window < 1:
         raise SystemExit(f"--window must be >= 1, got {args.window}")
+    transcendentals = _transcendentals(args)
+    if transcendentals is not None:
+        use_transcendentals(transcendentals)
     use_platform(args.platform, args.mesh.devices)
     trace = load_trace()
     steps = _steps(args, trace)
@@ -207,10 +228,11 @@ def run(args: argparse.Namespace) -> int:
     device = jax.devices(args.platform)[0].device_kind
     precision = matmul_precision(config)
     console = Console()
+    on_tpu = f", {transcendentals} transcendentals" if transcendentals else ""
     console.print(
         f"{args.view}: {steps} steps of OLMo-core's micro config (GA {config.train.ga_steps}, "
         f"flags {args.flags}, mesh {args.mesh}, JAX on {device} at matmul precision "
-        f"{precision}); the first step compiles."
+        f"{precision}{on_tpu}); the first step compiles."
     )
     args.out.mkdir(parents=True, exist_ok=True)
     record = VIEWS[args.view](args, trace, Run(config, mesh=args.mesh), steps, console)
@@ -219,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         "platform": args.platform,
         "device": device,
         "matmul_precision": precision,
+        "tpu_transcendentals": transcendentals,
     }
     if args.view == "lockstep":
         written["olmo_core_process_group"] = process_group_backend()

@@ -5,6 +5,7 @@ mean over them: tests/test_diagnosis.py); `olmo-parity replay --flags maxtext` d
 loss at step 1 and says so. The lockstep view (the default): tests/test_lockstep.py."""
 
 import json
+import os
 
 import pytest
 
@@ -80,7 +81,17 @@ def test_maxtext_flags_diverge_on_the_aux_loss(tmp_path, capsys):
     assert "first divergence at step 1, LB loss" in capsys.readouterr().out
 
 
-def test_a_platform_jax_cannot_find_is_named(tmp_path):
-    """`--platform tpu` where JAX has no TPU (the tests run JAX on the CPU) exits naming it."""
+def test_a_platform_jax_cannot_find_is_named(tmp_path, monkeypatch):
+    """`--platform tpu` where JAX has no TPU (the tests run JAX on the CPU) exits naming it,
+    having asked libtpu for its accurate transcendentals first."""
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_accurate_exp=false --xla_foo=1")
     with pytest.raises(SystemExit, match="--platform tpu: JAX finds no tpu device"):
         replay.main(["--platform", "tpu", "--steps", "1", "--out", str(tmp_path)])
+    flags = os.environ["LIBTPU_INIT_ARGS"].split()
+    assert flags[0] == "--xla_foo=1" and "--xla_tpu_accurate_exp=true" in flags
+    assert "--xla_tpu_accurate_exp=false" not in flags
+
+
+def test_tpu_transcendentals_off_a_tpu_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--tpu-transcendentals needs --platform tpu, not cpu"):
+        replay.main(["--tpu-transcendentals", "default", "--out", str(tmp_path)])
