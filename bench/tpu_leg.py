@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parity.lockstep_check import TENSOR_KINDS, bounds
+from parity.lockstep_check import TENSOR_KINDS, tensor_bounds
 from parity.report import LABELS, TENSOR_LABELS
 
 PRECISIONS = ("highest", "default")
@@ -58,11 +58,12 @@ def _worst(steps: list[dict], where: str, gap: str) -> dict:
 
 def _nearest_bound(steps: list[dict], kind: str, field: str) -> dict:
     """The tensor gap of `kind` nearest (or farthest over) the bound of its own step
-    (`bounds`: step 1's update and rerouted steps are held looser), with that bound."""
+    (`tensor_bounds`: step 1's update, rerouted steps and LOCKSTEP_OWN_ROUNDING's tensors are
+    held looser), with that bound."""
     found = []
     for step in steps:
-        bound = getattr(bounds(step["step"], step["tokens_rerouted"]), field)
         for name, gaps in step["tensors"].items():
+            bound = getattr(tensor_bounds(step["step"], step["tokens_rerouted"], name), field)
             gap = gaps[f"{kind}_rel_gap"]
             found.append((gap / bound, gap, bound, step["step"], name))
     _, gap, bound, step, name = max(found)
@@ -72,12 +73,12 @@ def _nearest_bound(steps: list[dict], kind: str, field: str) -> dict:
 def _first_tensor_over(steps: list[dict]) -> dict | None:
     """The first step where a tensor gap exceeds its bound, and its farthest-over tensor."""
     for step in steps:
-        bound = bounds(step["step"], step["tokens_rerouted"])
         over = [
-            (gaps[f"{kind}_rel_gap"] / getattr(bound, field), kind, name)
+            (gap / bound, kind, name)
             for name, gaps in step["tensors"].items()
             for kind, field in TENSOR_KINDS.items()
-            if gaps[f"{kind}_rel_gap"] > getattr(bound, field)
+            if (gap := gaps[f"{kind}_rel_gap"])
+            > (bound := getattr(tensor_bounds(step["step"], step["tokens_rerouted"], name), field))
         ]
         if over:
             ratio, kind, name = max(over)

@@ -9,11 +9,10 @@ Both sides start from the same state, so each gap is one step's rounding, not co
 - every parameter tensor: its gradient before clipping, the whole step's update
   p(s + 1) - p(s) and Adam's moments after it; then the JAX optimizer alone on OLMo-core's
   gradients, its update and Adam's moments. Each gap is |ours - OLMo-core's| over OLMo-core's
-  norm, floored at LOCKSTEP_SMALL_TENSOR_FLOOR times the same quantity's norm over the whole
-  model (a few KDA gate tensors carry gradients 1e-6 of the whole: their own norm would measure
-  rounding alone). The whole step's update is loose at step 1, where Adam turns the rounding of
-  gradients near its eps into full-size updates, and tight after it. The optimizer alone is
-  tight: it sees the same gradients;
+  norm of that tensor, held to the step's bounds or, for the few tensors whose own rounding is
+  larger (LOCKSTEP_OWN_ROUNDING), their own (`tensor_bounds`). The whole step's update is loose
+  at step 1, where Adam turns the rounding of gradients near its eps into full-size updates, and
+  tight after it. The optimizer alone is tight: it sees the same gradients;
 - OLMo-core's own metrics against the golden trace's (the free-running check: equal on the CPU
   that made the trace, within its one-ulp envelope on another).
 """
@@ -25,10 +24,10 @@ import dataclasses
 import numpy as np
 
 from goldens.tolerances import (
+    LOCKSTEP_OWN_ROUNDING,
     LOCKSTEP_REROUTED,
     LOCKSTEP_REROUTED_TOKENS,
     LOCKSTEP_ROUTED_ALIKE,
-    LOCKSTEP_SMALL_TENSOR_FLOOR,
     LockstepBounds,
 )
 from model.train_step import AUX_TERMS, METRICS
@@ -60,14 +59,13 @@ TOLERANCES = LockstepTolerances(
     LOCKSTEP_ROUTED_ALIKE,
     LOCKSTEP_REROUTED,
     LOCKSTEP_REROUTED_TOKENS,
-    LOCKSTEP_SMALL_TENSOR_FLOOR,
+    LOCKSTEP_OWN_ROUNDING,
 )
 
 
-def _floored(diff: dict[str, float], norm: dict[str, float]) -> dict[str, float]:
-    """diff / max(norm, floor x the norm over every tensor), per tensor."""
-    floor = LOCKSTEP_SMALL_TENSOR_FLOOR * float(np.sqrt(sum(v**2 for v in norm.values())))
-    return {n: diff[n] / max(norm[n], floor, np.finfo(float).tiny) for n in norm}
+def _relative(diff: dict[str, float], norm: dict[str, float]) -> dict[str, float]:
+    """diff / norm, per tensor: each against its own size."""
+    return {n: diff[n] / max(norm[n], np.finfo(float).tiny) for n in norm}
 
 
 def _norm(x) -> float:
@@ -75,9 +73,9 @@ def _norm(x) -> float:
 
 
 def tensor_gaps(ours: Tensors, golden: Tensors) -> dict[str, float]:
-    """|ours - golden| / |golden| per tensor, that norm floored (`_floored`)."""
+    """|ours - golden| / |golden| per tensor."""
     diff = {n: _norm(np.asarray(ours[n], np.float64) - golden[n]) for n in golden}
-    return _floored(diff, {n: _norm(g) for n, g in golden.items()})
+    return _relative(diff, {n: _norm(g) for n, g in golden.items()})
 
 
 def update_gaps(before: Tensors, ours: Tensors, golden: Tensors) -> dict[str, float]:
@@ -90,7 +88,7 @@ def update_gaps(before: Tensors, ours: Tensors, golden: Tensors) -> dict[str, fl
         allowed = ROUNDINGS * np.spacing(np.abs(g))
         excess = np.abs(np.asarray(ours[n], np.float64) - g) - allowed
         diff[n] = _norm(np.maximum(excess, 0.0))
-    return _floored(
+    return _relative(
         diff, {n: _norm(np.asarray(g, np.float64) - before[n]) for n, g in golden.items()}
     )
 
@@ -106,7 +104,29 @@ def bounds(step: int, rerouted: list[int]) -> LockstepBounds:
     """The bounds of step `step`: LOCKSTEP_REROUTED where a MoE layer rerouted a token slot; at
     step 1 `update` is their `first_update`."""
     chosen = LOCKSTEP_REROUTED if any(rerouted) else LOCKSTEP_ROUTED_ALIKE
+    return _at_step(chosen, step)
+
+
+def _at_step(chosen: LockstepBounds, step: int) -> LockstepBounds:
     return dataclasses.replace(chosen, update=chosen.first_update) if step == 1 else chosen
+
+
+def own_rounding(name: str) -> LockstepBounds | None:
+    """LOCKSTEP_OWN_ROUNDING's bounds of parameter `name` ("blocks.3.attention.A_log" as
+    "attention.A_log"), if it names them."""
+    return LOCKSTEP_OWN_ROUNDING.get(name.split(".", 2)[-1] if name.startswith("blocks.") else name)
+
+
+def tensor_bounds(step: int, rerouted: list[int], name: str) -> LockstepBounds:
+    """`bounds(step, rerouted)` for parameter `name`, each no tighter than `own_rounding`'s."""
+    step_bounds = bounds(step, rerouted)
+    own = own_rounding(name)
+    if own is None:
+        return step_bounds
+    own = _at_step(own, step)
+    return LockstepBounds(
+        *(max(getattr(step_bounds, f.name), getattr(own, f.name)) for f in dataclasses.fields(own))
+    )
 
 
 def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> LockstepStep:
@@ -168,8 +188,8 @@ def _over(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
             )
     if check.skipped.ours != check.skipped.golden:
         out.append(LockstepDivergence(s, "skipped", "skipped", None, 1.0, 0.0))
-    step_bounds = bounds(s, check.tokens_rerouted)
     for name, t in check.tensors.items():
+        step_bounds = tensor_bounds(s, check.tokens_rerouted, name)
         for kind, field in TENSOR_KINDS.items():
             gap, tol = getattr(t, f"{kind}_rel_gap"), getattr(step_bounds, field)
             if gap > tol:

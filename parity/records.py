@@ -120,9 +120,9 @@ class ReplayRecord:
 @dataclass(frozen=True)
 class TensorGaps:
     """One parameter tensor at one lockstep step, |ours - OLMo-core's| / |OLMo-core's| (Frobenius
-    norms; see `parity.lockstep_check` for small tensors): its gradient before clipping, the whole
-    step's update p(s + 1) - p(s) and Adam's two moments after it; the update and Adam's two
-    moments after the step of the JAX optimizer alone, on OLMo-core's gradients."""
+    norms of that tensor alone): its gradient before clipping, the whole step's update
+    p(s + 1) - p(s) and Adam's two moments after it; the update and Adam's two moments after the
+    step of the JAX optimizer alone, on OLMo-core's gradients."""
 
     grad_rel_gap: float
     update_rel_gap: float
@@ -166,12 +166,13 @@ class LockstepDivergence:
 @dataclass(frozen=True)
 class LockstepTolerances:
     """`goldens.tolerances.LockstepBounds` of a step whose expert counts agree and of one where
-    a token slot went elsewhere; the most slots rerouted a layer; the small-tensor floor."""
+    a token slot went elsewhere; the most slots rerouted a layer; the parameters (named within
+    their block) held to their own rounding's bounds where those are looser."""
 
     routed_alike: Any
     rerouted: Any
     rerouted_tokens: int
-    small_tensor_floor: float
+    own_rounding: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 
 from model.train_step import AUX_TERMS, METRICS
-from parity.lockstep_check import TENSOR_KINDS, TOLERANCES, bounds
+from parity.lockstep_check import TENSOR_KINDS, TOLERANCES, tensor_bounds
 from parity.records import (
     LockstepDivergence,
     LockstepRecord,
@@ -71,9 +71,13 @@ WORST_SHOWN = 5
 
 def _tensor_ratios(step: LockstepStep, kind: str) -> list[tuple[float, float, float, str]]:
     """(gap / tolerance, gap, tolerance, tensor) of every tensor for one `TensorGaps` kind."""
-    tol = getattr(bounds(step.step, step.tokens_rerouted), TENSOR_KINDS[kind])
-    gaps = ((getattr(t, f"{kind}_rel_gap"), n) for n, t in step.tensors.items())
-    return [(gap / tol, gap, tol, n) for gap, n in gaps]
+    field = TENSOR_KINDS[kind]
+    out = []
+    for name, gaps in step.tensors.items():
+        gap = getattr(gaps, f"{kind}_rel_gap")
+        tol = getattr(tensor_bounds(step.step, step.tokens_rerouted, name), field)
+        out.append((gap / tol, gap, tol, name))
+    return out
 
 
 def lockstep_table(steps: list[LockstepStep], *, title: str) -> Group:

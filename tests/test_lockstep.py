@@ -10,12 +10,20 @@ whole step's update 0.1% off and one tensor's Adam moment 1% off are named. The 
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from model.train_step import AUX_TERMS, METRICS
 from parity import replay
 from parity.lockstep import lockstep
-from parity.lockstep_check import TENSOR_KINDS, bounds, check_step, lockstep_record
+from parity.lockstep_check import (
+    TENSOR_KINDS,
+    bounds,
+    check_step,
+    lockstep_record,
+    own_rounding,
+    tensor_bounds,
+)
 from parity.run import Run
 from parity.trace import load_trace
 from tests.lockstep_faults import FAULTS, ROUTER
@@ -59,8 +67,8 @@ def test_five_steps_on_a_mesh_pass_on_every_metric_layer_and_tensor(lockstepped)
         for name in AUX_TERMS:
             assert len(entry["layers"][name]["ours"]) == len(load_trace().moe_blocks)
         assert set(entry["tensors"]) == names
-        step_bounds = bounds(entry["step"], entry["tokens_rerouted"])
         for tensor, gaps in entry["tensors"].items():
+            step_bounds = tensor_bounds(entry["step"], entry["tokens_rerouted"], tensor)
             for kind, field in TENSOR_KINDS.items():
                 gap = gaps[f"{kind}_rel_gap"]
                 assert gap <= getattr(step_bounds, field), (entry["step"], tensor, kind)
@@ -116,6 +124,21 @@ def test_the_whole_steps_update_one_permille_off_is_named_at_step_two(router_fau
     assert _first_divergence(router_fault[:2]) is None
     first = _first_divergence(_step_two_changed(router_fault, lr_higher))
     assert first is not None and (first.step, first.kind) == (2, "update"), first
+
+
+def test_the_smallest_gradient_one_percent_off_is_named(router_fault):
+    """The smallest gradient at step 2 (of the tensors held to the model's bounds) is far below a
+    floor of 1e-3 of the whole model's norm, which would hide its 1%; against its own norm, it
+    is named."""
+    oc, ours = router_fault[1]
+    grads = oc.result.grads.items()
+    norms = {n: np.linalg.norm(g) for n, g in grads if own_rounding(n) is None and g.any()}
+    name = min(norms, key=norms.get)
+    assert norms[name] < 1e-3 * np.sqrt(sum(v**2 for v in norms.values())), name
+    off = dataclasses.replace(ours, grads=ours.grads | {name: ours.grads[name] * 1.01})
+    first = _first_divergence([router_fault[0], (oc, off)])
+    assert first is not None, name
+    assert (first.step, first.kind, first.name) == (2, "grad", name), first
 
 
 @pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
