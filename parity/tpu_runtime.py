@@ -4,9 +4,9 @@ before the TPU backend starts (it reads them once).
 By default the chip's exp, log and the ops built on them (log1p, expm1, pow, logistic) are fast
 and loose: on a TPU v5 lite, 2^20 float32 inputs against float64 gave max errors of 70 ulps
 (exp) to 4,000 (log, log1p); with libtpu's accurate flags 1 to 3 ulps, a CPU's (tanh, 1,360
-ulps, has no such flag). Lockstep needs
-them: optax's Adam bias correction 1 - 0.95^t (a pow) is 1.7e-5 off at the default, 4e-7 with
-the flags, and the optimizer alone is held to 1e-5 (`LockstepBounds.optimizer`).
+ulps, has no such flag). Lockstep needs them: optax's Adam bias correction 1 - 0.95^t (a pow) is
+1.7e-5 off at the default, 4e-7 with the flags, and the optimizer alone is held to 1e-5
+(`LockstepBounds.optimizer`).
 """
 
 from __future__ import annotations
