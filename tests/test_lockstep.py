@@ -4,7 +4,8 @@ OLMo-core's state every step. Five steps with the JAX side on 8 simulated device
 tensor (gradient, update, Adam moments) within the measured LOCKSTEP_* tolerances, OLMo-core's
 metrics are the trace's, and replay.json has the issue's format. On one device, one MoE layer's
 router gradient 1% off at step 3 is named: step, tensor, block; at step 2 of the same run, the
-whole step's update 0.1% off and one tensor's Adam moment 1% off are named. The other faults
+whole step's update 0.1% off, one tensor's Adam moment 1% off and the smallest gradient 1% off
+are named. The other faults
 (tests/test_injected_faults.py) and the whole epoch (tests/test_lockstep_full.py) are slow."""
 
 import dataclasses
