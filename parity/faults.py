@@ -16,27 +16,32 @@ from model.convert import model_entries, param_path
 @dataclass(frozen=True)
 class InjectedFault:
     """From step `first` to `last` (None: to the end) the JAX side trains with `train`'s
-    `TrainConfig` fields replaced and/or the gradient of OLMo-core parameter `grad_scale[0]`
-    times `grad_scale[1]` (before clipping)."""
+    `TrainConfig` fields replaced, `train_scale`'s multiplied by their factors, and/or the
+    gradient of OLMo-core parameter `grad_scale[0]` times `grad_scale[1]` (before clipping)."""
 
     first: int
     last: int | None = None
     train: tuple[tuple[str, Any], ...] = ()
     grad_scale: tuple[str, float] | None = None
+    train_scale: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         if self.first < 1 or (self.last is not None and self.last < self.first):
             raise ValueError(
                 f"InjectedFault steps {self.first}..{self.last}: need 1 <= first <= last"
             )
-        if not self.train and self.grad_scale is None:
-            raise ValueError("InjectedFault changes nothing: give train fields or grad_scale")
+        if not self.train and not self.train_scale and self.grad_scale is None:
+            raise ValueError(
+                "InjectedFault changes nothing: give train fields, train_scale or grad_scale"
+            )
 
     def acts_at(self, step: int) -> bool:
         return self.first <= step and (self.last is None or step <= self.last)
 
     def config(self, cfg: Config) -> Config:
-        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **dict(self.train)))
+        scaled = {name: getattr(cfg.train, name) * factor for name, factor in self.train_scale}
+        train = dataclasses.replace(cfg.train, **dict(self.train), **scaled)
+        return dataclasses.replace(cfg, train=train)
 
     def scale_grads(self, grads, cfg: Config):
         if self.grad_scale is None:

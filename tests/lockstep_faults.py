@@ -2,7 +2,9 @@
 the kind of gap lockstep must name, and whether the free-running view misses it. The issue's four
 were meant to lie below free-running's tolerance at their step; the LB weight 1% high from step 7
 does not (free-running's LB tolerance there is 2.4e-3: the bar, or 70x OLMo-core's own spread),
-so the same fault from step 10 (tolerance 3.4e-2) is the one free-running misses."""
+so the same fault from step 10 (tolerance 3.4e-2) is the one free-running misses. The LR 0.1% high
+is an update 0.1% off: the JAX optimizer alone, on OLMo-core's gradients, is 100x over its bound;
+its LR is 0.1% from the trace's, free-running's bar itself."""
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -29,7 +31,8 @@ class Expected:
     """What lockstep may name as farthest over at the fault's first step."""
     names: tuple[str, ...] | None
     """The metric or tensor it must name, as fnmatch patterns (None: any of those kinds)."""
-    free_running_misses: bool = True
+    free_running_misses: bool | None = True
+    """None: the fault sits at free-running's bar, where rounding decides (not asserted)."""
 
     def names_it(self, name: str) -> bool:
         return self.names is None or any(fnmatch(name, p) for p in self.names)
@@ -52,6 +55,12 @@ FAULTS = {
     ),
     "router_grad_1.01x_at_3": Expected(
         InjectedFault(3, 3, grad_scale=(ROUTER, 1.01)), frozenset({"grad"}), (ROUTER,)
+    ),
+    "lr_1.001x_from_5": Expected(
+        InjectedFault(5, train_scale=(("lr", 1.001),)),
+        frozenset({"optimizer_update"}),
+        None,
+        free_running_misses=None,
     ),
     "embedding_decay_from_20": Expected(
         InjectedFault(20, train=(("embedding_weight_decay", TrainConfig.weight_decay),)),

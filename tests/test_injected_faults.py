@@ -1,6 +1,7 @@
 """The faults of tests/lockstep_faults.py injected into the JAX side (`tox -e slow`): lockstep names
 each at its first step (the step, the kind of gap, the metric or tensor), and the free-running view
-over the trace's 50 steps with the same fault misses it, but for the one it is expected to see."""
+over the trace's 50 steps with the same fault misses it, but for the one it is expected to see
+(and the LR 0.1% high, which sits at free-running's LR bar)."""
 
 import pytest
 
@@ -28,6 +29,8 @@ def test_lockstep_names_the_fault_free_running_misses_it(fault):
     assert first is not None and first.step == expected.fault.first, first
     assert first.kind in expected.kinds, first
     assert expected.names_it(first.name), first
+    if expected.free_running_misses is None:
+        return
     rows, params = free_running(trace, run, steps=trace.steps, on_step=lambda *_: None)
     release_compiled()
     free = free_running_record(trace, rows, params, flags="olmo_core")
