@@ -356,3 +356,19 @@ def test_chaotic_trace_outside_its_envelope_names_tensor_and_step(tmp_path):
         "trace/params_step2.safetensors w: largest gap / OLMo-core's one-ulp spread 20 at w "
         "(allowed 4)",
     ]
+
+
+def test_one_ulp_runs_that_stopped_spreading_are_named(tmp_path):
+    """Spreads are held both ways: regenerated one-ulp runs that land on the regenerated trace
+    (the perturbation lost) fail, as runs that spread too far do."""
+    committed, fresh = tmp_path / "committed", tmp_path / "fresh"
+    _trace(committed, [5.0, 4.0], [5.0, 4.004], [3.0, 4.0], [1e-3])
+    _trace(fresh, [5.0, 4.0], [5.0, 4.0], [3.0, 4.0], [1e-5])
+    _, failures = check.compare(committed, fresh)
+    assert failures == [
+        "trace/perturbed.safetensors ce: largest gap / OLMo-core's one-ulp spread 0 at ce[0, 0] "
+        "(allowed 4); regenerated one-ulp spread / committed 0.001 at ce[1] (allowed 1/4 to 4)",
+        "trace/perturbed.safetensors params_rel_diff_step2: largest gap / OLMo-core's one-ulp "
+        "spread 0.01 at params_rel_diff_step2[0, 0] (allowed 4); regenerated one-ulp spread / "
+        "committed 0.01 at params_rel_diff_step2 median (allowed 1/4 to 4)",
+    ]
