@@ -4,11 +4,15 @@ free-running misses. Only tests build an `InjectedFault`; no command-line option
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import jax
+import jax.numpy as jnp
 
+from model import router
 from model.config import Config
 from model.convert import model_entries, param_path
 
@@ -16,23 +20,26 @@ from model.convert import model_entries, param_path
 @dataclass(frozen=True)
 class InjectedFault:
     """From step `first` to `last` (None: to the end) the JAX side trains with `train`'s
-    `TrainConfig` fields replaced, `train_scale`'s multiplied by their factors, and/or the
-    gradient of OLMo-core parameter `grad_scale[0]` times `grad_scale[1]` (before clipping)."""
+    `TrainConfig` fields replaced, `train_scale`'s multiplied by their factors, the gradient of
+    OLMo-core parameter `grad_scale[0]` times `grad_scale[1]` (before clipping), and/or a
+    router whose top-k breaks near-ties wrongly (`near_tie_margin`, see `near_tie_route`)."""
 
     first: int
     last: int | None = None
     train: tuple[tuple[str, Any], ...] = ()
     grad_scale: tuple[str, float] | None = None
     train_scale: tuple[tuple[str, float], ...] = ()
+    near_tie_margin: float | None = None
 
     def __post_init__(self):
         if self.first < 1 or (self.last is not None and self.last < self.first):
             raise ValueError(
                 f"InjectedFault steps {self.first}..{self.last}: need 1 <= first <= last"
             )
-        if not self.train and not self.train_scale and self.grad_scale is None:
+        if not (self.train or self.train_scale or self.grad_scale or self.near_tie_margin):
             raise ValueError(
-                "InjectedFault changes nothing: give train fields, train_scale or grad_scale"
+                "InjectedFault changes nothing: give train fields, train_scale, grad_scale or "
+                "near_tie_margin"
             )
 
     def acts_at(self, step: int) -> bool:
@@ -55,3 +62,38 @@ class InjectedFault:
             return g * factor if param_path(path) == paths[name] else g
 
         return jax.tree_util.tree_map_with_path(scale, grads)
+
+    @property
+    def in_the_trace(self) -> bool:
+        """Whether the fault changes the jitted train step itself (not its config or gradients)."""
+        return self.near_tie_margin is not None
+
+    def traced_with(self, fn):
+        """`fn`, traced with the faulty router when the fault has one."""
+        if not self.in_the_trace:
+            return fn
+
+        @functools.wraps(fn)
+        def faulty(*args, **kwargs):
+            biased = functools.partial(near_tie_route, margin=self.near_tie_margin)
+            with mock.patch.object(router, "route", biased):
+                return fn(*args, **kwargs)
+
+        return faulty
+
+
+def near_tie_route(logits: jax.Array, *, margin: float, top_k: int, keep=None, **kw):
+    """`model.router.route` whose top-k picks by probs x (1 + margin e / (E - 1)) (expert e): an
+    expert whose probability is within `margin` (relative) of a higher-index one's may lose its
+    slot to it. The weights stay the true probabilities, so only the slots a near-tie moves
+    differ: a tie-break bug."""
+    E = logits.shape[-1]
+    tilted = jax.nn.softmax(logits, axis=-1) * (1 + margin * jnp.arange(E) / (E - 1))
+    if keep is not None:
+        tilted = jnp.where(keep, tilted, -jnp.inf)
+    _, picked = jax.lax.top_k(tilted, top_k)  # shape: [B, T, E] -> [B, T, k]
+    chosen = jax.nn.one_hot(picked, E, dtype=jnp.bool_).any(axis=-2)
+    return _ROUTE(logits, top_k=top_k, keep=chosen, **kw)
+
+
+_ROUTE = router.route

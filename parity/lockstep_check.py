@@ -3,7 +3,8 @@
 Both sides start from the same state, so each gap is one step's rounding, not compounded chaos:
 - routing: each MoE layer's expert counts; a near-tie may send a token slot to another expert on
   one side (at most LOCKSTEP_REROUTED_TOKENS a layer), and that step is held to
-  LOCKSTEP_REROUTED instead of LOCKSTEP_ROUTED_ALIKE (`bounds`);
+  LOCKSTEP_REROUTED instead of LOCKSTEP_ROUTED_ALIKE (`bounds`), in at most
+  LOCKSTEP_REROUTED_STEPS of any LOCKSTEP_REROUTED_WINDOW steps (`rerouted_steps`);
 - every metric and each MoE layer's LB and router z-loss: its relative gap; the skip decision
   equal;
 - every parameter tensor: its gradient before clipping, the whole step's update
@@ -20,13 +21,16 @@ Both sides start from the same state, so each gap is one step's rounding, not co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from goldens.tolerances import (
     LOCKSTEP_OWN_ROUNDING,
     LOCKSTEP_REROUTED,
+    LOCKSTEP_REROUTED_STEPS,
     LOCKSTEP_REROUTED_TOKENS,
+    LOCKSTEP_REROUTED_WINDOW,
     LOCKSTEP_ROUTED_ALIKE,
     LockstepBounds,
 )
@@ -59,8 +63,12 @@ TOLERANCES = LockstepTolerances(
     LOCKSTEP_ROUTED_ALIKE,
     LOCKSTEP_REROUTED,
     LOCKSTEP_REROUTED_TOKENS,
+    LOCKSTEP_REROUTED_STEPS,
+    LOCKSTEP_REROUTED_WINDOW,
     LOCKSTEP_OWN_ROUNDING,
 )
+REROUTED_STEPS = "rerouted steps"
+"""The name of a "routing" divergence over LOCKSTEP_REROUTED_STEPS (`rerouted_steps`)."""
 
 
 def _relative(diff: dict[str, float], norm: dict[str, float]) -> dict[str, float]:
@@ -165,7 +173,16 @@ def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> Lockst
     return LockstepStep(oc.step, metrics, layers, skipped, rerouted, tensors, is_trace)
 
 
-def _over(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
+def rerouted_steps(check: LockstepStep, earlier: Sequence[LockstepStep]) -> int:
+    """Steps, of the LOCKSTEP_REROUTED_WINDOW ending at `check` (`earlier`: the steps before it),
+    in which a MoE layer rerouted a token slot."""
+    window = (c for c in (*earlier, check) if c.step > check.step - LOCKSTEP_REROUTED_WINDOW)
+    return sum(any(c.tokens_rerouted) for c in window)
+
+
+def _over(
+    trace: GoldenTrace, check: LockstepStep, earlier: Sequence[LockstepStep]
+) -> list[LockstepDivergence]:
     """Everything over its tolerance at this step."""
     s, out = check.step, []
     for name, c in check.metrics.items():
@@ -186,6 +203,14 @@ def _over(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
                     s, "routing", "tokens rerouted", block, moved, LOCKSTEP_REROUTED_TOKENS
                 )
             )
+    if any(check.tokens_rerouted):
+        steps = rerouted_steps(check, earlier)
+        if steps > LOCKSTEP_REROUTED_STEPS:
+            out.append(
+                LockstepDivergence(
+                    s, "routing", REROUTED_STEPS, None, steps, LOCKSTEP_REROUTED_STEPS
+                )
+            )
     if check.skipped.ours != check.skipped.golden:
         out.append(LockstepDivergence(s, "skipped", "skipped", None, 1.0, 0.0))
     for name, t in check.tensors.items():
@@ -199,12 +224,16 @@ def _over(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
     return out
 
 
-def over_tolerance(trace: GoldenTrace, check: LockstepStep) -> list[LockstepDivergence]:
-    """What is over its tolerance at this step, farthest over first."""
+def over_tolerance(
+    trace: GoldenTrace, check: LockstepStep, earlier: Sequence[LockstepStep] = ()
+) -> list[LockstepDivergence]:
+    """What is over its tolerance at this step (`earlier`: the steps before it), farthest over
+    first."""
     ratio = lambda d: np.inf if d.tolerance == 0 else d.rel_gap / d.tolerance  # noqa: E731
-    return sorted(_over(trace, check), key=ratio, reverse=True)
+    return sorted(_over(trace, check, earlier), key=ratio, reverse=True)
 
 
 def lockstep_record(trace: GoldenTrace, steps: list[LockstepStep]) -> LockstepRecord:
-    first = next((o[0] for o in (over_tolerance(trace, s) for s in steps) if o), None)
+    overs = (over_tolerance(trace, s, steps[:i]) for i, s in enumerate(steps))
+    first = next((o[0] for o in overs if o), None)
     return LockstepRecord(steps, first, TOLERANCES)

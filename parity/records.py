@@ -166,12 +166,15 @@ class LockstepDivergence:
 @dataclass(frozen=True)
 class LockstepTolerances:
     """`goldens.tolerances.LockstepBounds` of a step whose expert counts agree and of one where
-    a token slot went elsewhere; the most slots rerouted a layer; the parameters (named within
-    their block) held to their own rounding's bounds where those are looser."""
+    a token slot went elsewhere; the most slots rerouted a layer; the most rerouted steps in a
+    window of `rerouted_window` steps; the parameters (named within their block) held to their
+    own rounding's bounds where those are looser."""
 
     routed_alike: Any
     rerouted: Any
     rerouted_tokens: int
+    rerouted_steps: int
+    rerouted_window: int
     own_rounding: dict[str, Any]
 
 

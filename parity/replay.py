@@ -161,7 +161,7 @@ def _lockstep(args, trace: GoldenTrace, setup: Run, steps: int, console: Console
         def on_step(olmo_core, ours) -> None:
             check = check_step(trace, olmo_core, ours)
             checks.append(check)
-            over = over_tolerance(trace, check)
+            over = over_tolerance(trace, check, checks[:-1])
             for line in report.failing_step(check, over):
                 progress.console.print(line)
             add(check, f"CE gap {check.metrics['ce'].rel_gap:.1e}")

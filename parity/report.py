@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 
 from model.train_step import AUX_TERMS, METRICS
-from parity.lockstep_check import TENSOR_KINDS, TOLERANCES, tensor_bounds
+from parity.lockstep_check import REROUTED_STEPS, TENSOR_KINDS, TOLERANCES, tensor_bounds
 from parity.records import (
     LockstepDivergence,
     LockstepRecord,
@@ -113,6 +113,11 @@ def lockstep_table(steps: list[LockstepStep], *, title: str) -> Group:
 def _describe(d: LockstepDivergence) -> str:
     if d.kind == "skipped":
         return "the skip decision differs"
+    if d.kind == "routing" and d.name == REROUTED_STEPS:
+        window = TOLERANCES.rerouted_window
+        return (
+            f"{d.rel_gap:.0f} of the last {window} steps rerouted a token slot > {d.tolerance:.0f}"
+        )
     if d.kind == "routing":
         return f"{d.rel_gap:.0f} token slots rerouted in MoE block {d.block} > {d.tolerance:.0f}"
     if d.kind == "trace":

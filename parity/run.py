@@ -118,15 +118,18 @@ def _update(params, grads, opt_state, step, loss, *, cfg: Config):
 
 @functools.cache
 def _jitted(run: Run, graphdef):
-    """The train step's two jitted parts for `run` (no fault): accumulate, then the optimizer
-    (`update(params, grads, opt_state, step, loss)`). On a mesh, inputs and outputs are laid out
-    by their logical axes and the accumulated gradients kept as the params."""
+    """The train step's two jitted parts for `run` (its fault only where it is `in_the_trace`):
+    accumulate, then the optimizer (`update(params, grads, opt_state, step, loss)`). On a mesh,
+    inputs and outputs are laid out by their logical axes and the accumulated gradients kept as
+    the params."""
     cfg = run.config
     mesh = make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
     terms = model_terms_fn(graphdef, cfg, mesh=mesh)
     if run.wrap_terms is not None:
         terms = run.wrap_terms(terms)
     accumulate = functools.partial(ts.accumulate, cfg=cfg, terms_fn=terms)
+    if run.fault is not None:
+        accumulate = run.fault.traced_with(accumulate)
     update = functools.partial(_update, cfg=cfg)
     if mesh is None:
         return jax.jit(accumulate), jax.jit(update)
@@ -150,7 +153,8 @@ def step_parts(run: Run, graphdef, step: int):
     parts in the config `run.fault` sets at that step, and the fault when it acts there."""
     fault = run.fault if run.fault is not None and run.fault.acts_at(step) else None
     config = run.config if fault is None else fault.config(run.config)
-    accumulate, update = _jitted(dataclasses.replace(run, config=config, fault=None), graphdef)
+    traced = fault if fault is not None and fault.in_the_trace else None
+    accumulate, update = _jitted(dataclasses.replace(run, config=config, fault=traced), graphdef)
     return accumulate, update, fault
 
 

@@ -4,13 +4,17 @@ were meant to lie below free-running's tolerance at their step; the LB weight 1%
 does not (free-running's LB tolerance there is 2.4e-3: the bar, or 70x OLMo-core's own spread),
 so the same fault from step 10 (tolerance 3.4e-2) is the one free-running misses. The LR 0.1% high
 is an update 0.1% off: the JAX optimizer alone, on OLMo-core's gradients, is 100x over its bound;
-its LR is 0.1% from the trace's, free-running's bar itself."""
+its LR is 0.1% from the trace's, free-running's bar itself. A top-k that breaks near-ties toward
+the higher expert moves a few token slots at every step, each step within the rerouted bounds: it
+is named at the step that makes one more rerouted step than a window allows."""
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
+from goldens.tolerances import LOCKSTEP_REROUTED_STEPS
 from model.config import TrainConfig
 from parity.faults import InjectedFault
+from parity.lockstep_check import REROUTED_STEPS
 
 ROUTER = "blocks.3.routed_experts_router.weight"
 """The MoE layer whose router gradient the router fault scales (OLMo-core block 3)."""
@@ -33,6 +37,12 @@ class Expected:
     """The metric or tensor it must name, as fnmatch patterns (None: any of those kinds)."""
     free_running_misses: bool | None = True
     """None: the fault sits at free-running's bar, where rounding decides (not asserted)."""
+    at: int | None = None
+    """The step lockstep must name it at (None: the fault's first)."""
+
+    @property
+    def step(self) -> int:
+        return self.fault.first if self.at is None else self.at
 
     def names_it(self, name: str) -> bool:
         return self.names is None or any(fnmatch(name, p) for p in self.names)
@@ -61,6 +71,12 @@ FAULTS = {
         frozenset({"optimizer_update"}),
         None,
         free_running_misses=None,
+    ),
+    "near_tie_router_from_2": Expected(
+        InjectedFault(2, near_tie_margin=2e-4),
+        frozenset({"routing"}),
+        (REROUTED_STEPS,),
+        at=2 + LOCKSTEP_REROUTED_STEPS,
     ),
     "embedding_decay_from_20": Expected(
         InjectedFault(20, train=(("embedding_weight_decay", TrainConfig.weight_decay),)),

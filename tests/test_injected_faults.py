@@ -1,7 +1,7 @@
 """The faults of tests/lockstep_faults.py injected into the JAX side (`tox -e slow`): lockstep names
-each at its first step (the step, the kind of gap, the metric or tensor), and the free-running view
-over the trace's 50 steps with the same fault misses it, but for the one it is expected to see
-(and the LR 0.1% high, which sits at free-running's LR bar)."""
+each at its step (where it starts to act, or where it is expected), the kind of gap and the metric
+or tensor; the free-running view over the trace's 50 steps with the same fault misses it, but for
+the one it is expected to see (and the LR 0.1% high, which sits at free-running's LR bar)."""
 
 import pytest
 
@@ -22,11 +22,11 @@ def test_lockstep_names_the_fault_free_running_misses_it(fault):
     lockstep(
         trace,
         run,
-        steps=expected.fault.first,
+        steps=expected.step,
         on_step=lambda oc, ours: checks.append(check_step(trace, oc, ours)),
     )
     first = lockstep_record(trace, checks).first_divergence
-    assert first is not None and first.step == expected.fault.first, first
+    assert first is not None and first.step == expected.step, first
     assert first.kind in expected.kinds, first
     assert expected.names_it(first.name), first
     if expected.free_running_misses is None:

@@ -5,7 +5,7 @@ tensor (gradient, update, Adam moments) within the measured LOCKSTEP_* tolerance
 metrics are the trace's, and replay.json has the issue's format. On one device, one MoE layer's
 router gradient 1% off at step 3 is named: step, tensor, block; at step 2 of the same run, the
 whole step's update 0.1% off, one tensor's Adam moment 1% off and the smallest gradient 1% off
-are named. The other faults
+are named, and too many rerouted steps in a window. The other faults
 (tests/test_injected_faults.py) and the whole epoch (tests/test_lockstep_full.py) are slow."""
 
 import dataclasses
@@ -14,10 +14,12 @@ import json
 import numpy as np
 import pytest
 
+from goldens.tolerances import LOCKSTEP_REROUTED_STEPS, LOCKSTEP_REROUTED_WINDOW
 from model.train_step import AUX_TERMS, METRICS
 from parity import replay
 from parity.lockstep import lockstep
 from parity.lockstep_check import (
+    REROUTED_STEPS,
     TENSOR_KINDS,
     bounds,
     check_step,
@@ -154,3 +156,27 @@ def test_the_whole_steps_adam_moment_one_percent_off_is_named(router_fault, mome
     first = _first_divergence(_step_two_changed(router_fault, off))
     assert first is not None, moment
     assert (first.step, first.kind, first.name) == (2, f"step_{moment}", name), first
+
+
+def test_more_rerouted_steps_than_a_window_allows_are_named(router_fault):
+    """Step 1's real check, as if a token slot were rerouted at steps 1..n: the step that makes
+    one more than LOCKSTEP_REROUTED_STEPS in a LOCKSTEP_REROUTED_WINDOW is named; as many
+    spread over two windows pass."""
+    trace = load_trace()
+    (oc, ours), limit = router_fault[0], LOCKSTEP_REROUTED_STEPS
+    check = check_step(trace, oc, ours)
+    moved = [1] + [0] * (len(check.tokens_rerouted) - 1)
+    at = lambda *steps: [  # noqa: E731
+        dataclasses.replace(check, step=s, tokens_rerouted=moved) for s in steps
+    ]
+    assert lockstep_record(trace, at(*range(1, limit + 1))).first_divergence is None
+    first = lockstep_record(trace, at(*range(1, limit + 2))).first_divergence
+    assert first is not None
+    assert (first.step, first.kind, first.name, first.rel_gap) == (
+        limit + 1,
+        "routing",
+        REROUTED_STEPS,
+        limit + 1,
+    )
+    later = at(*range(1, limit + 1), LOCKSTEP_REROUTED_WINDOW + 1)
+    assert lockstep_record(trace, later).first_divergence is None
