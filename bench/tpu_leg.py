@@ -63,7 +63,7 @@ def _nearest_bound(steps: list[dict], kind: str, field: str) -> dict:
     found = []
     for step in steps:
         for name, gaps in step["tensors"].items():
-            bound = getattr(tensor_bounds(step["step"], step["tokens_rerouted"], name), field)
+            bound = getattr(tensor_bounds(step["step"], step["rerouted_blocks"], name), field)
             gap = gaps[f"{kind}_rel_gap"]
             found.append((gap / bound, gap, bound, step["step"], name))
     _, gap, bound, step, name = max(found)
@@ -78,7 +78,7 @@ def _first_tensor_over(steps: list[dict]) -> dict | None:
             for name, gaps in step["tensors"].items()
             for kind, field in TENSOR_KINDS.items()
             if (gap := gaps[f"{kind}_rel_gap"])
-            > (bound := getattr(tensor_bounds(step["step"], step["tokens_rerouted"], name), field))
+            > (bound := getattr(tensor_bounds(step["step"], step["rerouted_blocks"], name), field))
         ]
         if over:
             ratio, kind, name = max(over)

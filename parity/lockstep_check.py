@@ -2,9 +2,11 @@
 
 Both sides start from the same state, so each gap is one step's rounding, not compounded chaos:
 - routing: each MoE layer's expert counts; a near-tie may send a token slot to another expert on
-  one side (at most LOCKSTEP_REROUTED_TOKENS a layer), and that step is held to
-  LOCKSTEP_REROUTED instead of LOCKSTEP_ROUTED_ALIKE (`bounds`), in at most
-  LOCKSTEP_REROUTED_STEPS of any LOCKSTEP_REROUTED_WINDOW steps (`rerouted_steps`);
+  one side (at most LOCKSTEP_REROUTED_TOKENS a layer). At such a step the metrics and the
+  tensors of the blocks whose MoE layer rerouted a slot are held to LOCKSTEP_REROUTED, the other
+  tensors to LOCKSTEP_REROUTED_ELSEWHERE, instead of LOCKSTEP_ROUTED_ALIKE (`bounds`,
+  `tensor_bounds`); at most LOCKSTEP_REROUTED_STEPS of any LOCKSTEP_REROUTED_WINDOW steps may
+  be such steps (`rerouted_steps`);
 - every metric and each MoE layer's LB and router z-loss: its relative gap; the skip decision
   equal;
 - every parameter tensor: its gradient before clipping, the whole step's update
@@ -28,6 +30,7 @@ import numpy as np
 from goldens.tolerances import (
     LOCKSTEP_OWN_ROUNDING,
     LOCKSTEP_REROUTED,
+    LOCKSTEP_REROUTED_ELSEWHERE,
     LOCKSTEP_REROUTED_STEPS,
     LOCKSTEP_REROUTED_TOKENS,
     LOCKSTEP_REROUTED_WINDOW,
@@ -62,6 +65,7 @@ ROUNDINGS = 2
 TOLERANCES = LockstepTolerances(
     LOCKSTEP_ROUTED_ALIKE,
     LOCKSTEP_REROUTED,
+    LOCKSTEP_REROUTED_ELSEWHERE,
     LOCKSTEP_REROUTED_TOKENS,
     LOCKSTEP_REROUTED_STEPS,
     LOCKSTEP_REROUTED_WINDOW,
@@ -109,8 +113,8 @@ def tokens_rerouted(ours, golden) -> list[int]:
 
 
 def bounds(step: int, rerouted: list[int]) -> LockstepBounds:
-    """The bounds of step `step`: LOCKSTEP_REROUTED where a MoE layer rerouted a token slot; at
-    step 1 `update` is their `first_update`."""
+    """The bounds of step `step` (its metrics'): LOCKSTEP_REROUTED where a MoE layer rerouted a
+    token slot; at step 1 `update` is their `first_update`."""
     chosen = LOCKSTEP_REROUTED if any(rerouted) else LOCKSTEP_ROUTED_ALIKE
     return _at_step(chosen, step)
 
@@ -125,10 +129,20 @@ def own_rounding(name: str) -> LockstepBounds | None:
     return LOCKSTEP_OWN_ROUNDING.get(name.split(".", 2)[-1] if name.startswith("blocks.") else name)
 
 
-def tensor_bounds(step: int, rerouted: list[int], name: str) -> LockstepBounds:
-    """`bounds(step, rerouted)` for parameter `name`, each no tighter than `own_rounding`'s."""
-    step_bounds = bounds(step, rerouted)
+def tensor_bounds(step: int, rerouted_blocks: list[int], name: str) -> LockstepBounds:
+    """The bounds of parameter `name` at step `step`, where the MoE layers of `rerouted_blocks`
+    rerouted a token slot: LOCKSTEP_REROUTED for the tensors of those blocks and for those whose
+    own rounding is larger (`own_rounding`: their gradients are sums that nearly cancel, moved
+    by one token anywhere), LOCKSTEP_REROUTED_ELSEWHERE for the others; each no tighter than
+    `own_rounding`'s."""
     own = own_rounding(name)
+    if not rerouted_blocks:
+        chosen = LOCKSTEP_ROUTED_ALIKE
+    elif block_of(name) in rerouted_blocks or own is not None:
+        chosen = LOCKSTEP_REROUTED
+    else:
+        chosen = LOCKSTEP_REROUTED_ELSEWHERE
+    step_bounds = _at_step(chosen, step)
     if own is None:
         return step_bounds
     own = _at_step(own, step)
@@ -170,7 +184,8 @@ def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> Lockst
             divergence(trace, compare_step(trace, oc.step, golden.metrics, free=True)) is None
         )
     skipped = Skipped(bool(ours.metrics["skipped"]), bool(golden.metrics["skipped"]))
-    return LockstepStep(oc.step, metrics, layers, skipped, rerouted, tensors, is_trace)
+    blocks = [trace.moe_blocks[i] for i, moved in enumerate(rerouted) if moved]
+    return LockstepStep(oc.step, metrics, layers, skipped, rerouted, blocks, tensors, is_trace)
 
 
 def rerouted_steps(check: LockstepStep, earlier: Sequence[LockstepStep]) -> int:
@@ -214,7 +229,7 @@ def _over(
     if check.skipped.ours != check.skipped.golden:
         out.append(LockstepDivergence(s, "skipped", "skipped", None, 1.0, 0.0))
     for name, t in check.tensors.items():
-        step_bounds = tensor_bounds(s, check.tokens_rerouted, name)
+        step_bounds = tensor_bounds(s, check.rerouted_blocks, name)
         for kind, field in TENSOR_KINDS.items():
             gap, tol = getattr(t, f"{kind}_rel_gap"), getattr(step_bounds, field)
             if gap > tol:

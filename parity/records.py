@@ -136,14 +136,16 @@ class TensorGaps:
 @dataclass(frozen=True)
 class LockstepStep:
     """One lockstep step: every metric and MoE layer (as `StepCheck`), the token slots each MoE
-    layer sent to other experts than OLMo-core did, every tensor, and whether OLMo-core's own
-    metrics agree with the golden trace's (None past the trace's steps)."""
+    layer sent to other experts than OLMo-core did and the blocks of the layers that did, every
+    tensor, and whether OLMo-core's own metrics agree with the golden trace's (None past the
+    trace's steps)."""
 
     step: int
     metrics: dict[str, Check]
     layers: dict[str, Check]
     skipped: Skipped
     tokens_rerouted: list[int]
+    rerouted_blocks: list[int]
     tensors: dict[str, TensorGaps]
     olmo_core_is_trace: bool | None
 
@@ -165,13 +167,15 @@ class LockstepDivergence:
 
 @dataclass(frozen=True)
 class LockstepTolerances:
-    """`goldens.tolerances.LockstepBounds` of a step whose expert counts agree and of one where
-    a token slot went elsewhere; the most slots rerouted a layer; the most rerouted steps in a
+    """`goldens.tolerances.LockstepBounds` of a step whose expert counts agree, of one where a
+    token slot went elsewhere (the blocks it did so in) and of that step's other tensors; the most
+    slots rerouted a layer; the most rerouted steps in a
     window of `rerouted_window` steps; the parameters (named within their block) held to their
     own rounding's bounds where those are looser."""
 
     routed_alike: Any
     rerouted: Any
+    rerouted_elsewhere: Any
     rerouted_tokens: int
     rerouted_steps: int
     rerouted_window: int

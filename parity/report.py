@@ -75,7 +75,7 @@ def _tensor_ratios(step: LockstepStep, kind: str) -> list[tuple[float, float, fl
     out = []
     for name, gaps in step.tensors.items():
         gap = getattr(gaps, f"{kind}_rel_gap")
-        tol = getattr(tensor_bounds(step.step, step.tokens_rerouted, name), field)
+        tol = getattr(tensor_bounds(step.step, step.rerouted_blocks, name), field)
         out.append((gap / tol, gap, tol, name))
     return out
 

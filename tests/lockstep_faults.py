@@ -73,7 +73,7 @@ FAULTS = {
         free_running_misses=None,
     ),
     "near_tie_router_from_2": Expected(
-        InjectedFault(2, near_tie_margin=2e-4),
+        InjectedFault(2, near_tie_margin=1e-4),
         frozenset({"routing"}),
         (REROUTED_STEPS,),
         at=2 + LOCKSTEP_REROUTED_STEPS,

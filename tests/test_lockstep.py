@@ -5,7 +5,8 @@ tensor (gradient, update, Adam moments) within the measured LOCKSTEP_* tolerance
 metrics are the trace's, and replay.json has the issue's format. On one device, one MoE layer's
 router gradient 1% off at step 3 is named: step, tensor, block; at step 2 of the same run, the
 whole step's update 0.1% off, one tensor's Adam moment 1% off and the smallest gradient 1% off
-are named, and too many rerouted steps in a window. The other faults
+are named, and too many rerouted steps in a window; a rerouted step loosens only its blocks. The
+other faults
 (tests/test_injected_faults.py) and the whole epoch (tests/test_lockstep_full.py) are slow."""
 
 import dataclasses
@@ -71,7 +72,7 @@ def test_five_steps_on_a_mesh_pass_on_every_metric_layer_and_tensor(lockstepped)
             assert len(entry["layers"][name]["ours"]) == len(load_trace().moe_blocks)
         assert set(entry["tensors"]) == names
         for tensor, gaps in entry["tensors"].items():
-            step_bounds = tensor_bounds(entry["step"], entry["tokens_rerouted"], tensor)
+            step_bounds = tensor_bounds(entry["step"], entry["rerouted_blocks"], tensor)
             for kind, field in TENSOR_KINDS.items():
                 gap = gaps[f"{kind}_rel_gap"]
                 assert gap <= getattr(step_bounds, field), (entry["step"], tensor, kind)
@@ -159,24 +160,45 @@ def test_the_whole_steps_adam_moment_one_percent_off_is_named(router_fault, mome
 
 
 def test_more_rerouted_steps_than_a_window_allows_are_named(router_fault):
-    """Step 1's real check, as if a token slot were rerouted at steps 1..n: the step that makes
-    one more than LOCKSTEP_REROUTED_STEPS in a LOCKSTEP_REROUTED_WINDOW is named; as many
-    spread over two windows pass."""
+    """Step 2's real check, as if its first MoE layer rerouted a token slot at steps 2..n: the
+    step that makes one more than LOCKSTEP_REROUTED_STEPS in a LOCKSTEP_REROUTED_WINDOW is named;
+    as many spread over two windows pass."""
     trace = load_trace()
-    (oc, ours), limit = router_fault[0], LOCKSTEP_REROUTED_STEPS
+    (oc, ours), limit = router_fault[1], LOCKSTEP_REROUTED_STEPS
     check = check_step(trace, oc, ours)
     moved = [1] + [0] * (len(check.tokens_rerouted) - 1)
+    block = [trace.moe_blocks[0]]
     at = lambda *steps: [  # noqa: E731
-        dataclasses.replace(check, step=s, tokens_rerouted=moved) for s in steps
+        dataclasses.replace(check, step=s, tokens_rerouted=moved, rerouted_blocks=block)
+        for s in steps
     ]
-    assert lockstep_record(trace, at(*range(1, limit + 1))).first_divergence is None
-    first = lockstep_record(trace, at(*range(1, limit + 2))).first_divergence
+    assert lockstep_record(trace, at(*range(2, limit + 2))).first_divergence is None
+    first = lockstep_record(trace, at(*range(2, limit + 3))).first_divergence
     assert first is not None
     assert (first.step, first.kind, first.name, first.rel_gap) == (
-        limit + 1,
+        limit + 2,
         "routing",
         REROUTED_STEPS,
         limit + 1,
     )
-    later = at(*range(1, limit + 1), LOCKSTEP_REROUTED_WINDOW + 1)
+    later = at(*range(2, limit + 2), LOCKSTEP_REROUTED_WINDOW + 2)
     assert lockstep_record(trace, later).first_divergence is None
+
+
+def test_a_rerouted_step_loosens_only_the_blocks_that_rerouted(router_fault):
+    """Step 2 as if the first MoE layer had rerouted a slot: a gradient 2% off in that block
+    passes (LOCKSTEP_REROUTED), the same outside it is named (LOCKSTEP_REROUTED_ELSEWHERE)."""
+    trace = load_trace()
+    (oc, ours), block = router_fault[1], trace.moe_blocks[0]
+    inside, outside = f"blocks.{block}.routed_experts.w_up_gate", "lm_head.w_out.weight"
+
+    def record(name):
+        off = dataclasses.replace(ours, grads=ours.grads | {name: ours.grads[name] * 1.02})
+        check = check_step(trace, oc, off)
+        moved = [1] + [0] * (len(check.tokens_rerouted) - 1)
+        rerouted = dataclasses.replace(check, tokens_rerouted=moved, rerouted_blocks=[block])
+        return lockstep_record(trace, [check_step(trace, *router_fault[0]), rerouted])
+
+    assert record(inside).first_divergence is None
+    first = record(outside).first_divergence
+    assert first is not None and (first.step, first.kind, first.name) == (2, "grad", outside)
