@@ -5,7 +5,8 @@ give, chaotic training outputs (the trace, its perturbed runs, the trained keys)
 own one-ulp envelope (goldens.envelope). A golden built from other goldens is regenerated from the
 committed ones, so no component inherits the trace's chaos. Prints, per file, whether it came out
 bit-identical, within rounding or within the envelope, and names both CPUs when they differ; exits 1
-naming every file and tensor that does not hold, and any manifest field that changed."""
+naming every file and tensor that does not hold, any manifest field that changed, and any golden
+whose exporter source (goldens.source) changed since it was made."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from goldens.export import COMPONENTS, export
 from goldens.store import GOLDENS_DIR, Golden, load_golden, read_manifest
 from goldens.tolerances import ENVELOPE_FLOOR
 
-UNCOMPARED_FIELDS = ("sha256", "machine")
-"""Manifest fields a regeneration may change: the bytes, and the CPU they were made on."""
+UNCOMPARED_FIELDS = ("sha256", "machine", "source")
+"""Manifest fields a regeneration may change: the bytes, and the CPU they were made on; the
+exporter source is compared on its own (`source_changes`)."""
 TRACE_METRICS = "trace/metrics.safetensors"
 TRACE_PERTURBED = "trace/perturbed.safetensors"
 
@@ -174,6 +176,12 @@ class Envelope:
         return _within(rel_gap(fresh, committed), spread, factor, name)
 
 
+def source_changes(committed: dict[str, str], fresh: dict[str, str]) -> list[str]:
+    """The exporter modules whose sha256 differs between two entries' `source`, or that only one
+    of them lists."""
+    return sorted(p for p in set(committed) | set(fresh) if committed.get(p) != fresh.get(p))
+
+
 def compare_file(
     path: str, old: Golden, new: Golden, envelope: Envelope
 ) -> list[tuple[str, Verdict]]:
@@ -217,9 +225,17 @@ def compare(committed_root: Path, fresh_root: Path) -> tuple[list[str], list[str
         if made != now:
             report.append(f"CPUs differ: committed goldens made on {made}; regenerated on {now}")
     envelope = Envelope(committed_root, fresh_root)
+    unrecorded = []
     for path in sorted(set(committed) & set(fresh)):
         old = load_golden(path, committed_root)
         new = load_golden(path, fresh_root, check_inputs=False)
+        if "source" not in old.entry:
+            unrecorded.append(path)
+        elif changed_source := source_changes(old.entry["source"], new.entry["source"]):
+            failures.append(
+                f"{path}: made by another exporter source ({', '.join(changed_source)} changed "
+                "since); run `tox -e goldens`"
+            )
         changed = sorted(
             k
             for k in set(old.entry) | set(new.entry)
@@ -236,6 +252,11 @@ def compare(committed_root: Path, fresh_root: Path) -> tuple[list[str], list[str
         if all(v.ok for _, v in verdicts):
             report.append(f"{path}: {' + '.join(held)} ({len(verdicts)} tensors)")
             report += [f"  {path} {n}: {v.what}" for n, v in verdicts if v.how != "bit-identical"]
+    if unrecorded:
+        report.append(
+            f"{len(unrecorded)} committed goldens record no exporter source (made before "
+            "goldens.source); `tox -e goldens` records it"
+        )
     return report, failures
 
 

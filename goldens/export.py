@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from goldens.source import exporter_source
 from goldens.store import (
     GOLDENS_DIR,
     PINNED_VERSIONS,
@@ -96,10 +97,16 @@ def export(components: Sequence[str], out: Path) -> list[str]:
     for component in components:
         with recording_inputs() as inputs:
             goldens = exporter(component)()
+        source = exporter_source(COMPONENTS[component])
         for golden in goldens:
-            command = f"python -m goldens.export {component}"
             write_golden(
-                golden, command=command, versions=versions, machine=cpu, inputs=inputs, root=out
+                golden,
+                command=f"python -m goldens.export {component}",
+                versions=versions,
+                machine=cpu,
+                inputs=inputs,
+                source=source,
+                root=out,
             )
             written.append(golden.path)
     return written

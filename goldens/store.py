@@ -1,9 +1,10 @@
 """The golden store: files under goldens/ and `goldens/manifest.json`.
 
 Manifest shape: {"files": {"<path relative to goldens/>": {"sha256", "format", "producer",
-"command", "versions", "machine", "inputs": {path: sha256}, "seeds", "config",
-"tensors": {name: {"shape", "dtype"}}, "tolerances", "substitutions"}}}. "machine" is the CPU the
-golden was made on; "inputs" the goldens its exporter read, each by the sha256 it had then. A
+"command", "versions", "machine", "inputs": {path: sha256}, "source": {path: sha256}, "seeds",
+"config", "tensors": {name: {"shape", "dtype"}}, "tolerances", "substitutions"}}}. "machine" is
+the CPU the golden was made on; "inputs" the goldens its exporter read, each by the sha256 it had
+then; "source" the exporter's own modules (goldens.source), absent from goldens made before it. A
 file's format is "safetensors" (named tensors) or "raw": one array as its little-endian bytes with
 no header, the layout of OLMo-core's token and global-indices files.
 Loading checks, before any tensor is used, that the entry exists, the path stays inside goldens/,
@@ -136,11 +137,12 @@ def write_golden(
     versions: dict[str, str],
     machine: dict[str, str],
     inputs: dict[str, str],
+    source: dict[str, str],
     root: Path = GOLDENS_DIR,
 ) -> None:
     """Write the tensors and their manifest entry (replacing an earlier entry of that path).
     `machine` is the CPU it was made on, `inputs` the {path: sha256} of the goldens it was built
-    from."""
+    from, `source` the {path: sha256} of the exporter modules that made it."""
     regenerate = golden.tolerances.get("regenerate")
     if not isinstance(regenerate, dict) or regenerate.get("kind") not in REGENERATE_KINDS:
         raise GoldenError(
@@ -166,6 +168,7 @@ def write_golden(
         "versions": versions,
         "machine": machine,
         "inputs": dict(sorted(inputs.items())),
+        "source": source,
         "seeds": golden.seeds,
         "config": golden.config,
         "tensors": tensor_specs(tensors),

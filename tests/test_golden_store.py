@@ -1,8 +1,10 @@
 """The golden store refuses missing, stale, hand-edited and malformed goldens with a message that
 names the file and how to regenerate it; `goldens.check` tells bit-identical from within-tolerance
-from mismatched regenerations, naming the file and tensor."""
+from mismatched regenerations, naming the file and tensor, and goldens made by another exporter
+source."""
 
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from goldens import check
+from goldens.source import REPO, exporter_source
 from goldens.store import (
     GOLDENS_DIR,
     PINNED_VERSIONS,
@@ -33,6 +36,7 @@ COMMAND = "python -m goldens.export sample"
 
 ROUNDING = Regenerate("rounding", rtol=1e-6, of_max=1e-7)
 MACHINE = {"cpu": "test CPU", "torch_cpu_capability": "AVX2", "simd": "avx2 fma"}
+SOURCE = {"goldens/sample.py": "0" * 64}
 
 
 def _sample(values=None, regenerate=None) -> GoldenFile:
@@ -54,6 +58,7 @@ def _write(root: Path, golden: GoldenFile | None = None, inputs=None, machine=MA
         versions=dict(PINNED_VERSIONS),
         machine=machine,
         inputs=inputs or {},
+        source=SOURCE,
         root=root,
     )
 
@@ -372,3 +377,38 @@ def test_one_ulp_runs_that_stopped_spreading_are_named(tmp_path):
         "spread 0.01 at params_rel_diff_step2[0, 0] (allowed 4); regenerated one-ulp spread / "
         "committed 0.01 at params_rel_diff_step2 median (allowed 1/4 to 4)",
     ]
+
+
+def test_exporter_source_is_the_goldens_modules_the_exporter_imports():
+    source = exporter_source("goldens.trace")
+    assert {"goldens/trace.py", "goldens/store.py", "goldens/runtime/standins.py"} <= set(source)
+    assert "goldens/tolerances.py" not in source and all(p.startswith("goldens/") for p in source)
+    for path, digest in source.items():
+        assert digest == hashlib.sha256((REPO / path).read_bytes()).hexdigest(), path
+
+
+def test_check_names_a_golden_made_by_other_exporter_source(tmp_path):
+    committed, fresh = tmp_path / "committed", tmp_path / "fresh"
+    _write(committed)
+    _write(fresh)
+    _edit_entry(fresh, source={"goldens/sample.py": "1" * 64, "goldens/new.py": "2" * 64})
+    _, failures = check.compare(committed, fresh)
+    assert failures == [
+        f"{PATH}: made by another exporter source (goldens/new.py, goldens/sample.py changed "
+        "since); run `tox -e goldens`"
+    ]
+
+
+def test_check_reports_goldens_made_before_sources_were_recorded(tmp_path):
+    committed, fresh = tmp_path / "committed", tmp_path / "fresh"
+    _write(committed)
+    _write(fresh)
+    manifest = read_manifest(committed)
+    del manifest["files"][PATH]["source"]
+    write_manifest(manifest, committed)
+    report, failures = check.compare(committed, fresh)
+    assert failures == []
+    assert report[-1] == (
+        "1 committed goldens record no exporter source (made before goldens.source); "
+        "`tox -e goldens` records it"
+    )
