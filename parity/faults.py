@@ -16,6 +16,9 @@ from model import router
 from model.config import Config
 from model.convert import model_entries, param_path
 
+_ROUTE = router.route
+"""The router's own `route`, which `near_tie_route` calls while it stands in for it."""
+
 
 @dataclass(frozen=True)
 class InjectedFault:
@@ -94,6 +97,3 @@ def near_tie_route(logits: jax.Array, *, margin: float, top_k: int, keep=None, *
     _, picked = jax.lax.top_k(tilted, top_k)  # shape: [B, T, E] -> [B, T, k]
     chosen = jax.nn.one_hot(picked, E, dtype=jnp.bool_).any(axis=-2)
     return _ROUTE(logits, top_k=top_k, keep=chosen, **kw)
-
-
-_ROUTE = router.route
