@@ -330,15 +330,14 @@ step 1 and <= 5.0e-5 after it. An update 0.1% off at step 2 or later is 2x over 
 LOCKSTEP_REROUTED = LockstepBounds(
     metric=1e-3, grad=4e-1, first_update=2e-1, update=2e-1, moments=4e-1, optimizer=1e-5
 )
-"""A step where a near-tie sent one token slot to another expert in JAX than in OLMo-core (steps
-25, 26, 51, 68, 223, 248 of the epoch on the AMD EPYC, 77 and 154 on the Intel Xeon; one slot
-each): its metrics, the tensors of the blocks whose MoE layer rerouted, and LOCKSTEP_OWN_ROUNDING's
-tensors (the others: LOCKSTEP_REROUTED_ELSEWHERE). That layer's expert gradients change by what
-one token contributes. Measured on the AMD
-EPYC: gradients 3.1e-2 (block 5's latent_up_proj, step 248; 1/13), the update 1.7e-2 (1/11),
-metrics 4.9e-5 (grad norm, step 248; 1/20), the optimizer alone 1.9e-7. On the Intel Xeon (step
-154, block 2's router): gradients 6.2e-2 (1/6.5), the update 6.0e-2 (1/3.3), the whole step's
-Adam m 3.5e-2 (1/11.6). No rerouted step 1 was seen: `first_update` is `update`."""
+"""A step where a near-tie sent one token slot to another expert in JAX than in OLMo-core (steps 25,
+26, 51, 68, 223, 248 of the epoch on the AMD EPYC, 77 and 154 on the Intel Xeon; one slot each): its
+metrics, the tensors of the blocks whose MoE layer rerouted, and LOCKSTEP_OWN_ROUNDING's tensors
+(the others: LOCKSTEP_REROUTED_ELSEWHERE). That layer's expert gradients change by what one token
+contributes. Measured on the AMD EPYC: gradients 3.1e-2 (block 5's latent_up_proj, step 248; 1/13),
+the update 1.7e-2 (1/11), metrics 4.9e-5 (grad norm, step 248; 1/20), the optimizer alone 1.9e-7. On
+the Intel Xeon (step 154, block 2's router): gradients 6.2e-2 (1/6.5), the update 6.0e-2 (1/3.3),
+the whole step's Adam m 3.5e-2 (1/11.6). No rerouted step 1 was seen: `first_update` is `update`."""
 LOCKSTEP_REROUTED_ELSEWHERE = LockstepBounds(
     metric=1e-3, grad=1.5e-2, first_update=2e-1, update=8e-3, moments=7e-3, optimizer=1e-5
 )
@@ -377,12 +376,12 @@ Measured: 1 (six steps of the epoch); a routing bug moves many."""
 LOCKSTEP_REROUTED_WINDOW = 50
 LOCKSTEP_REROUTED_STEPS = 10
 """Lockstep: most steps, of any LOCKSTEP_REROUTED_WINDOW in a row, in which a MoE layer sent a
-token slot elsewhere than OLMo-core (each such step is held to LOCKSTEP_REROUTED). Measured (JAX
+token slot elsewhere than OLMo-core (each such step held to the rerouted bounds). Measured (JAX
 against OLMo-core over the epoch): 6 of 302 steps on the AMD EPYC, at most 4 in one window (steps
 25, 26, 51, 68); 2 on the Intel Xeon. 10 is 10x the EPYC's mean rate (1 per 50 steps) and 2.5x
 its busiest window; a count of mean 1 reaches 11 with probability 1e-8. A top-k that breaks
 near-ties (within 1e-4) toward the higher expert reroutes 2-7 slots at every step, each step
-within LOCKSTEP_REROUTED: it is named at its 11th."""
+within the rerouted bounds: it is named at its 11th."""
 
 REGENERATE_KINDS = ("exact", "rounding", "envelope")
 

@@ -32,7 +32,7 @@ off for a 1% weight) and the LB loss (1%) are about equally far over their bound
 class Expected:
     fault: InjectedFault
     kinds: frozenset[str]
-    """What lockstep may name as farthest over at the fault's first step."""
+    """What lockstep may name as farthest over at the step it names (`step`)."""
     names: tuple[str, ...] | None
     """The metric or tensor it must name, as fnmatch patterns (None: any of those kinds)."""
     free_running_misses: bool | None = True
