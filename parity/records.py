@@ -169,9 +169,8 @@ class LockstepDivergence:
 class LockstepTolerances:
     """`goldens.tolerances.LockstepBounds` of a step whose expert counts agree, of one where a
     token slot went elsewhere (the blocks it did so in) and of that step's other tensors; the most
-    slots rerouted a layer; the most rerouted steps in a
-    window of `rerouted_window` steps; the parameters (named within their block) held to their
-    own rounding's bounds where those are looser."""
+    slots rerouted a layer; the most rerouted steps in a window of `rerouted_window` steps; the
+    parameters (named within their block) held to their own rounding's bounds where looser."""
 
     routed_alike: Any
     rerouted: Any
