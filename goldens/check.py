@@ -3,31 +3,46 @@ the committed one, as its manifest entry's `tolerances.regenerate` says (goldens
 `Regenerate`): integers bit-identical, float32 results within the rounding another CPU's kernels
 give, chaotic training outputs (the trace, its perturbed runs, the trained keys) within OLMo-core's
 own one-ulp envelope (goldens.envelope). A golden built from other goldens is regenerated from the
-committed ones, so no component inherits the trace's chaos. Prints, per file, whether it came out
-bit-identical, within rounding or within the envelope, and names both CPUs when they differ; exits 1
-naming every file and tensor that does not hold, any manifest field that changed, and any golden
-whose exporter source (goldens.source) changed since it was made."""
+committed ones, so no component inherits the trace's chaos. The envelope is wide by step 50 (a
+median 6% of a tensor's norm), so each later snapshot's step is also run alone from the committed
+state one step before it (goldens.trace.regenerate_step) and held to one step's rounding
+(goldens.tolerances.REGENERATE_SAVED_STEP): every tensor's update and every metric of that step.
+Prints, per file, whether it came out bit-identical, within rounding, within the envelope or within
+one step's rounding, and names both CPUs when they differ; exits 1 naming every file and tensor
+that does not hold, any manifest field that changed, and any golden whose exporter source
+(goldens.source) changed since it was made."""
 
 from __future__ import annotations
 
 import functools
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from goldens.envelope import metric_spread, norm_gap, param_spread, rel_gap
-from goldens.export import COMPONENTS, export
+from goldens.export import COMPONENTS, export, make_torch_deterministic
 from goldens.store import GOLDENS_DIR, Golden, load_golden, read_manifest
-from goldens.tolerances import ENVELOPE_FLOOR
+from goldens.tolerances import ENVELOPE_FLOOR, REGENERATE_SAVED_STEP
+from goldens.trace import STATE_STEPS, RegeneratedStep, regenerate_step, use_free_port
+from model.config import micro, olmo_core
 
 UNCOMPARED_FIELDS = ("sha256", "machine", "source")
 """Manifest fields a regeneration may change: the bytes, and the CPU they were made on; the
 exporter source is compared on its own (`source_changes`)."""
 TRACE_METRICS = "trace/metrics.safetensors"
 TRACE_PERTURBED = "trace/perturbed.safetensors"
+SNAPSHOT = "trace/params_step{}.safetensors"
+STATE = "trace/state_step{}.safetensors"
+SPREADS = {
+    "trace/params_step": ("params_rel_diff_step", "params"),
+    "trace/state_step": ("state_rel_diff_step", "state"),
+}
+"""A snapshot file's path before its step -> (the perturbed runs' distances at that step, the
+perturbed entry's config list naming their columns)."""
 
 
 def describe(machine: dict[str, str] | None) -> str:
@@ -150,16 +165,17 @@ class Envelope:
         if path == "kda_trained_keys.safetensors" and f"spread.{name}" in old.tensors:
             spread = old.tensors[f"spread.{name}"]
             return _within(norm_gap(fresh, committed), spread.item(), factor, name)
-        if path.startswith("trace/params_step") and path != "trace/params_step0.safetensors":
-            step = path.removeprefix("trace/params_step").removesuffix(".safetensors")
-            perturbed = self.perturbed
-            names = perturbed.entry["config"]["params"]
-            spread = param_spread(perturbed[f"params_rel_diff_step{step}"])[names.index(name)]
-            return _within(norm_gap(fresh, committed), spread, factor, name)
+        for prefix, (distances, columns) in SPREADS.items():
+            if path.startswith(prefix) and path != SNAPSHOT.format(0):
+                step = path.removeprefix(prefix).removesuffix(".safetensors")
+                perturbed = self.perturbed
+                names = perturbed.entry["config"][columns]
+                spread = param_spread(perturbed[f"{distances}{step}"])[names.index(name)]
+                return _within(norm_gap(fresh, committed), spread, factor, name)
         if path not in (TRACE_METRICS, TRACE_PERTURBED):
             return None
         perturbed, golden = self.perturbed, self.metrics
-        if name.startswith("params_rel_diff_step"):  # a spread itself: how far its runs went
+        if name.startswith(tuple(d for d, _ in SPREADS.values())):  # a spread: how far runs went
             spread = param_spread(perturbed[name])
             return _both(
                 _within(fresh, spread[None], factor, name),
@@ -207,8 +223,83 @@ def compare_file(
     return out
 
 
-def compare(committed_root: Path, fresh_root: Path) -> tuple[list[str], list[str]]:
-    """(report lines, failures) of the fresh goldens against the committed ones."""
+def regenerate_saved_steps(root: Path = GOLDENS_DIR) -> list[RegeneratedStep]:
+    """Each later snapshot's step run by OLMo-core alone from the committed state before it, as
+    the exporter runs (one torch thread, deterministic algorithms)."""
+    make_torch_deterministic()
+    use_free_port()
+    cfg = olmo_core(micro())
+    return [
+        regenerate_step(cfg, load_golden(STATE.format(step), root).tensors, step + 1)
+        for step in STATE_STEPS
+    ]
+
+
+@dataclass(frozen=True)
+class StepGap:
+    """One tensor of a saved step run alone from the committed state before it: its gap to the
+    committed value (a parameter's update p(s) - p(s - 1) by norms, a metric elementwise), both
+    relative, against the bound."""
+
+    path: str
+    name: str
+    step: int
+    gap: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.gap <= self.bound
+
+    @property
+    def what(self) -> str:
+        return (
+            f"step {self.step} run alone from {STATE.format(self.step - 1)}: gap {self.gap:.3g} "
+            f"(allowed {self.bound:g})"
+        )
+
+
+def saved_step_gaps(root: Path, regenerated: RegeneratedStep) -> list[StepGap]:
+    """Each parameter tensor's and metric's gap of one regenerated step to the committed trace."""
+    step, bounds = regenerated.step, REGENERATE_SAVED_STEP
+    before = load_golden(STATE.format(step - 1), root)
+    snapshot = load_golden(SNAPSHOT.format(step), root)
+    metrics = load_golden(TRACE_METRICS, root)
+    gaps = []
+    for name, committed in sorted(snapshot.tensors.items()):
+        prior = before[f"{name}.main"].reshape(committed.shape).astype(np.float64)
+        gap = norm_gap(regenerated.params[name] - prior, committed - prior)
+        gaps.append(StepGap(snapshot.path, name, step, gap, bounds.update))
+    for name, value in sorted(regenerated.metrics.items()):
+        gap = float(rel_gap(value, metrics[name][step - 1 : step]).max())
+        gaps.append(StepGap(metrics.path, f"{name}[{step - 1}]", step, gap, bounds.metric))
+    return gaps
+
+
+def saved_steps_report(
+    root: Path, regenerated: Sequence[RegeneratedStep]
+) -> tuple[list[str], list[str]]:
+    """(report lines, failures) of the regenerated saved steps."""
+    report, failures = [], []
+    for step in regenerated:
+        gaps = saved_step_gaps(root, step)
+        failures += [f"{g.path} {g.name}: {g.what}" for g in gaps if not g.ok]
+        for path in sorted({g.path for g in gaps}):
+            held = [g for g in gaps if g.path == path]
+            if all(g.ok for g in held):
+                nearest = max(held, key=lambda g: g.gap / g.bound)
+                report.append(
+                    f"{path}: step {step.step} within one step's rounding ({len(held)} tensors; "
+                    f"nearest its bound {nearest.name}: {nearest.what})"
+                )
+    return report, failures
+
+
+def compare(
+    committed_root: Path, fresh_root: Path, regenerated: Sequence[RegeneratedStep] = ()
+) -> tuple[list[str], list[str]]:
+    """(report lines, failures) of the fresh goldens against the committed ones, and of the
+    `regenerated` saved steps against the committed trace."""
     committed = read_manifest(committed_root)["files"]
     fresh = read_manifest(fresh_root)["files"]
     report, failures = [], []
@@ -257,13 +348,14 @@ def compare(committed_root: Path, fresh_root: Path) -> tuple[list[str], list[str
             f"{len(unrecorded)} committed goldens record no exporter source (made before "
             "goldens.source); `tox -e goldens` records it"
         )
-    return report, failures
+    step_report, step_failures = saved_steps_report(committed_root, regenerated)
+    return report + step_report, failures + step_failures
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="goldens-check-") as tmp:
         export(list(COMPONENTS), Path(tmp))
-        report, failures = compare(GOLDENS_DIR, Path(tmp))
+        report, failures = compare(GOLDENS_DIR, Path(tmp), regenerate_saved_steps())
     print("goldens-check:")
     for line in report:
         print(f"  {line}")

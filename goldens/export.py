@@ -55,10 +55,13 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_til
 
 def machine() -> dict[str, str]:
     """The CPU a golden is made on: its model name, the kernel ISA torch dispatches to
-    (`torch.backends.cpu.get_cpu_capability`) and its SIMD flags."""
+    (`torch.backends.cpu.get_cpu_capability`), its SIMD flags, and the world-size-1 process group
+    torch.distributed gets there (`goldens.trace.process_group_backend`)."""
     import platform
 
     import torch
+
+    from goldens.trace import process_group_backend
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line and line.strip())
@@ -68,6 +71,7 @@ def machine() -> dict[str, str]:
         "cpu": fields.get("model name", platform.processor() or platform.machine()),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "simd": " ".join(f for f in SIMD_FLAGS if f in flags),
+        "process_group": process_group_backend(),
     }
 
 

@@ -445,3 +445,23 @@ recorded one-ulp spread (by norms). After 300 steps the keys decorrelate complet
 0.07-0.85 of their norms), so for them this only says the regenerated keys are of the same kind;
 the loss curve (spread 4.7e-3) is the sharp part. Measured: keys 0.58-0.80 of their spread against
 the other CPU's; 10x the largest."""
+
+
+@dataclass(frozen=True)
+class SavedStepBounds:
+    """How goldens-check holds a later trace snapshot's step, run by OLMo-core alone from the
+    committed state one step before it (goldens.trace.regenerate_step), to the committed trace:
+    each parameter tensor's update p(s) - p(s - 1) within `update` of that update's own norm, each
+    metric (per MoE block too) within `metric` relative."""
+
+    update: float
+    metric: float
+
+
+REGENERATE_SAVED_STEP = SavedStepBounds(update=3e-4, metric=2e-6)
+"""Measured on an Intel Xeon (AVX512) from the committed state, made on an AVX2 CPU that gives the
+AMD EPYC's trace bit for bit: updates 3.0e-5 of their own norms at step 50 (block 1's
+attention_input_norm; 2.0e-5 at step 10; median 1.1e-6), 10x; metrics 1.8e-7 (per-block LB, step
+50), 11x. On the trace's own CPU the step comes out bit-identical. A 1% error in one step's update
+is 33x the bound; a 1% shift of a snapshot tensor is at least 4.4% of its update (block 5's
+g_proj_2 bias at step 10; the median 55% at step 10, 88% at step 50), 146x."""

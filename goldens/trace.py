@@ -10,6 +10,11 @@ betas 0.9/0.95, eps 1e-8, wd 0.1 and 0 for `*embeddings.weight`, clip 1.0, skip-
 (`OLMoDDPModel._training_dtype`), a process group of world size 1 (`process_group_backend`), no
 checkpoints.
 
+Kept: every step's metrics, the params at `SNAPSHOT_STEPS`, and the whole training state one step
+before each later snapshot (`STATE_STEPS`, goldens.train_state), from which `regenerate_step`
+runs that snapshot's step alone: a rerun then holds the snapshot to one step's rounding, where the
+free-running rerun only lands inside the one-ulp envelope below.
+
 Reproducible: a callback reseeds torch's global RNG before every step (EMO draws its pool sizes
 from it); another records each router call's draw tensor (OLMo-core's [B, T], document d of a
 row in column d), rebuilt from the RNG state before the call and checked against the pools used.
@@ -27,20 +32,32 @@ import os
 import socket
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from goldens.data import olmo_core_loader, write_token_files
+from goldens.envelope import norm_gap
 from goldens.runtime.models import RUNTIME
 from goldens.runtime.standins import MOE_SUBSTITUTIONS, SUBSTITUTIONS, install, install_moe
 from goldens.store import GoldenFile
 from goldens.tolerances import REGENERATE_TRACE
+from goldens.train_state import (
+    GRAD_NORMS,
+    LOSSES,
+    optimizer_state,
+    restore_optimizer_state,
+    unwrapped,
+)
 from model.config import Config, micro, olmo_core
 from model.train_step import METRICS as STEP_METRICS
 
 STEPS = 50
 SNAPSHOT_STEPS = (0, 10, STEPS)
+STATE_STEPS = tuple(step - 1 for step in SNAPSHOT_STEPS[1:])
+"""Steps after which the whole training state is kept (goldens.train_state), so that each later
+snapshot's step can be regenerated alone from it (`regenerate_step`)."""
 STEP_SEED = 10_000
 """torch.manual_seed(STEP_SEED + step) before each step."""
 OLMO_CORE_NAMES = (
@@ -87,17 +104,12 @@ def process_group_backend() -> str:
     return "threaded" if sockets_refused() else "gloo"
 
 
-def process_group_description() -> str:
-    """The manifest's words for `process_group_backend`'s group."""
-    if process_group_backend() == "gloo":
-        return (
-            "torch.distributed: gloo process group of world size 1 "
-            f"(env://, MASTER_PORT {MASTER_PORT})"
-        )
-    return (
-        'torch.distributed: torch\'s in-process group ("threaded") of world size 1, this machine '
-        "refusing sockets; OLMo-core's CPU check told of it"
-    )
+PROCESS_GROUP = (
+    "torch.distributed: a process group of world size 1, gloo over the loopback (env://), or "
+    "where the machine refuses sockets torch's in-process \"threaded\" group, OLMo-core's CPU "
+    "check told of it (the entry's machine.process_group names which; three OLMo-core steps gave "
+    "the same bits in each)"
+)
 
 
 def use_free_port() -> None:
@@ -109,7 +121,9 @@ def use_free_port() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
-def _process_group() -> None:
+def init_process_group() -> None:
+    """torch.distributed's world of one process, unless one exists: `process_group_backend`'s
+    group."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -173,17 +187,12 @@ def record_pool_draws(model, on_draw: Callable[[int, object, int], None]) -> Non
         router._pool_sizes = pool_sizes
 
 
-def unwrapped(module):
-    """The `Transformer` inside a train module's `OLMoDDPModel` (state-dict keys without
-    "module.")."""
-    return getattr(module.model, "module", module.model)
-
-
-def _callbacks(snapshots: dict, rows: dict, draws: list):
+def _callbacks(snapshots: dict, states: dict, rows: dict, draws: list):
     from olmo_core.train.callbacks import Callback
 
     class Capture(Callback):
-        """Params at SNAPSHOT_STEPS, metrics every step, router draws of every training call."""
+        """Params at SNAPSHOT_STEPS, the optimizer's state at STATE_STEPS, metrics every step,
+        router draws of every training call."""
 
         def _state(self):
             model = unwrapped(self.trainer.train_module)
@@ -199,6 +208,8 @@ def _callbacks(snapshots: dict, rows: dict, draws: list):
         def post_step(self):
             if self.step in SNAPSHOT_STEPS:
                 snapshots[self.step] = self._state()
+            if self.step in STATE_STEPS:
+                states[self.step] = optimizer_state(self.trainer.train_module)
 
         def log_metrics(self, step, metrics):
             rows[step] = dict(metrics)
@@ -230,7 +241,7 @@ def train_module(cfg: Config):
     train = cfg.train
     install()
     install_moe()
-    _process_group()
+    init_process_group()
     OLMoDDPModel._training_dtype = torch.float32
     model = build(cfg.model)
     return OLMoDDPTrainModuleConfig(
@@ -257,13 +268,17 @@ def train_module(cfg: Config):
     ).build(model, device=torch.device("cpu"))
 
 
-def fit(cfg: Config, module, work: Path, *, steps: int, callbacks: dict) -> None:
+def fit(
+    cfg: Config, module, work: Path, *, steps: int, callbacks: dict, skip_before: int = 1
+) -> None:
     """OLMo-core's `Trainer.fit` of `module` for `steps` steps on the data goldens' loader (files
     under `work`), metrics collected every step, no checkpoints; `callbacks` run after the one
-    that reseeds torch's RNG before every step."""
+    that reseeds torch's RNG before every step. Steps before `skip_before` draw their batch and
+    do nothing else (OLMo-core's `steps_to_skip`)."""
     import torch
     from olmo_core.train import Duration, TrainerConfig
     from olmo_core.train.callbacks import Callback
+    from olmo_core.train.common import StepSkipRange
 
     class StepSeed(Callback):
         priority = 100
@@ -281,6 +296,7 @@ def fit(cfg: Config, module, work: Path, *, steps: int, callbacks: dict) -> None
         device="cpu",
         cancel_check_interval=10_000,
         callbacks={"step_seed": StepSeed(), **callbacks},
+        steps_to_skip=[StepSkipRange(1, skip_before)] if skip_before > 1 else None,
     ).build(module, loader).fit()
 
 
@@ -289,9 +305,44 @@ def _train(work: Path, perturb_seed: int | None = None):
     module = train_module(cfg)
     if perturb_seed is not None:  # after the build, which initialises the weights
         perturb_one_ulp(module.model, perturb_seed)
-    snapshots, rows, draws = {}, {}, []
-    fit(cfg, module, work, steps=STEPS, callbacks=_callbacks(snapshots, rows, draws))
-    return cfg, snapshots, rows, draws
+    snapshots, states, rows, draws = {}, {}, {}, []
+    fit(cfg, module, work, steps=STEPS, callbacks=_callbacks(snapshots, states, rows, draws))
+    return cfg, snapshots, states, rows, draws
+
+
+@dataclass(frozen=True)
+class RegeneratedStep:
+    """OLMo-core's step `step` run alone from the state after step - 1: the model's weights after
+    it (`OLMoDDPModel.state_dict()`) and its metrics as `trace_metrics` names them ([1, ...])."""
+
+    step: int
+    params: dict[str, np.ndarray]
+    metrics: dict[str, np.ndarray]
+
+
+def regenerate_step(cfg: Config, state: dict[str, np.ndarray], step: int) -> RegeneratedStep:
+    """OLMo-core's trace step `step` from `state` (goldens.train_state's, after step - 1): a
+    train module built as the trace's, the state restored into it, and `Trainer.fit` to `step`
+    with the steps before it skipped, so that the loader, the LR schedule and the reseed are at
+    `step`. On the trace's own CPU it gives the trace's bits."""
+    from olmo_core.train.callbacks import Callback
+
+    module = train_module(cfg)
+    restore_optimizer_state(module, state)
+    params, rows = {}, {}
+
+    class Capture(Callback):
+        def post_step(self):
+            if self.step == step:
+                weights = unwrapped(self.trainer.train_module).state_dict()
+                params.update({k: v.detach().numpy().copy() for k, v in weights.items()})
+
+        def log_metrics(self, logged, metrics):
+            rows[logged] = dict(metrics)
+
+    with tempfile.TemporaryDirectory(prefix="goldens-step-") as tmp:
+        fit(cfg, module, Path(tmp), steps=step, callbacks={"capture": Capture()}, skip_before=step)
+    return RegeneratedStep(step, params, trace_metrics(rows, range(step, step + 1))[1])
 
 
 def _block_metrics(rows: dict, steps: range, name: str) -> tuple[list[int], np.ndarray]:
@@ -326,18 +377,24 @@ def trace_metrics(rows: dict, steps: range) -> tuple[list[int], dict[str, np.nda
     return blocks, tensors
 
 
-def _perturbed(golden_snapshots: dict, steps: range) -> dict[str, np.ndarray]:
-    """The perturbed runs' metrics ([runs, ...] each) and, at the snapshot steps after 0, the
-    distance of each param to the golden run's, |p - p_golden| / |p_golden| [runs, params]."""
+def _perturbed(golden_snapshots: dict, golden_states: dict, steps: range) -> dict[str, np.ndarray]:
+    """The perturbed runs' metrics ([runs, ...] each), at the snapshot steps after 0 the distance
+    of each param to the golden run's, |p - p_golden| / |p_golden| [runs, params], and at
+    STATE_STEPS that of each optimizer state tensor (by norms) [runs, state tensors]."""
     runs = []
     for seed in PERTURBED_SEEDS:
         with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
-            _, snapshots, rows, _ = _train(Path(tmp), perturb_seed=seed)
+            _, snapshots, states, rows, _ = _train(Path(tmp), perturb_seed=seed)
         _, tensors = trace_metrics(rows, steps)
         for step in SNAPSHOT_STEPS[1:]:
             golden = golden_snapshots[step]
             tensors[f"params_rel_diff_step{step}"] = np.array(
                 [float((snapshots[step][k] - v).norm() / v.norm()) for k, v in golden.items()]
+            )
+        for step in STATE_STEPS:
+            golden = golden_states[step]
+            tensors[f"state_rel_diff_step{step}"] = np.array(
+                [norm_gap(states[step][k], v) for k, v in golden.items()]
             )
         runs.append(tensors)
     return {name: np.stack([run[name] for run in runs]) for name in runs[0]}
@@ -345,7 +402,7 @@ def _perturbed(golden_snapshots: dict, steps: range) -> dict[str, np.ndarray]:
 
 def export() -> list[GoldenFile]:
     with tempfile.TemporaryDirectory(prefix="goldens-trace-") as tmp:
-        cfg, snapshots, rows, draws = _train(Path(tmp))
+        cfg, snapshots, states, rows, draws = _train(Path(tmp))
     steps = range(1, STEPS + 1)
     blocks, tensors = trace_metrics(rows, steps)
     tensors["pool_draws"], documents = _draw_tensor(draws, steps, cfg.train.ga_steps)
@@ -358,7 +415,7 @@ def export() -> list[GoldenFile]:
             *SUBSTITUTIONS,
             *MOE_SUBSTITUTIONS,
             *RUNTIME,
-            process_group_description(),
+            PROCESS_GROUP,
         ],
     }
     files = [
@@ -380,13 +437,14 @@ def export() -> list[GoldenFile]:
     files.append(
         GoldenFile(
             path=f"{DIR}/perturbed.safetensors",
-            tensors=_perturbed(snapshots, steps),
+            tensors=_perturbed(snapshots, states, steps),
             config={
                 "seeds": list(PERTURBED_SEEDS),
                 "perturbation": "every step-0 weight times 1 + s 2^-23, s uniform in {-1, 0, 1} "
                 "(torch.Generator().manual_seed(seed), parameters in model order)",
                 "metrics": "as trace/metrics.safetensors, one row per seed",
                 "params": list(snapshots[0]),
+                "state": list(states[STATE_STEPS[0]]),
             },
             **common,
         )
@@ -397,6 +455,21 @@ def export() -> list[GoldenFile]:
                 path=f"{DIR}/params_step{step}.safetensors",
                 tensors={k: v.numpy() for k, v in snapshots[step].items()},
                 config={"step": step, "names": "OLMoDDPModel.state_dict()"},
+                **common,
+            )
+        )
+    for step in STATE_STEPS:
+        files.append(
+            GoldenFile(
+                path=f"{DIR}/state_step{step}.safetensors",
+                tensors=states[step],
+                config={
+                    "step": step,
+                    "names": "OLMoDDPOptimizer.states without DDP's 'module.': <param>.main "
+                    "(the fp32 weight, flat), .exp_avg, .exp_avg_sq (flat), .step; and the skip "
+                    f"rule's {LOSSES} and {GRAD_NORMS}, oldest first",
+                    "regenerates": f"step {step + 1} alone (goldens.trace.regenerate_step)",
+                },
                 **common,
             )
         )

@@ -30,9 +30,9 @@ from goldens.trace import (
     record_pool_draws,
     trace_metrics,
     train_module,
-    unwrapped,
     use_free_port,
 )
+from goldens.train_state import GRAD_NORMS, LOSSES, PREFIX, optimizer_state, unwrapped
 from model import optim
 from model import train_step as ts
 from model.convert import from_olmo_core, like_params, model_entries, params_to_olmo_core
@@ -87,8 +87,6 @@ def _local(tensor) -> np.ndarray:
 class _OlmoCoreSide:
     """Reads OLMo-core's `OLMoDDPOptimizer` and model; names without the DDP "module." prefix."""
 
-    PREFIX = "module."
-
     def __init__(self, module):
         self.module, self.optim = module, module.optim
         self.names = [n for g in self.optim.param_groups for n in g["named_params"]]
@@ -105,19 +103,20 @@ class _OlmoCoreSide:
         self.optim._clip_grad = clip_recording
 
     def _name(self, name: str) -> str:
-        return name.removeprefix(self.PREFIX)
+        return name.removeprefix(PREFIX)
 
     def _shaped(self, name: str, flat) -> np.ndarray:
         return _local(flat).reshape(self.shapes[self._name(name)])
 
     def state(self) -> TrainingState:
-        states = self.optim.states
-        counts = {float(_local(states[f"{n}.step"])) for n in self.names}
+        flat = optimizer_state(self.module)
+        names = [self._name(n) for n in self.names]
+        counts = {float(flat[f"{n}.step"][0]) for n in names}
         if len(counts) != 1:
             raise RuntimeError(f"OLMo-core's parameters have different Adam step counts: {counts}")
 
         def moment(kind: str) -> Tensors:
-            return {self._name(n): self._shaped(n, states[f"{n}.{kind}"]) for n in self.names}
+            return {n: flat[f"{n}.{kind}"].reshape(self.shapes[n]) for n in names}
 
         return TrainingState(
             params={
@@ -126,8 +125,8 @@ class _OlmoCoreSide:
             exp_avg=moment("exp_avg"),
             exp_avg_sq=moment("exp_avg_sq"),
             count=int(counts.pop()),
-            losses=[float(x) for x in self.optim._losses],
-            grad_norms=[float(x) for x in self.optim._grad_norms],
+            losses=flat[LOSSES].tolist(),
+            grad_norms=flat[GRAD_NORMS].tolist(),
         )
 
 

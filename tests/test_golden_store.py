@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from goldens import check
+from goldens.export import COMPONENTS
 from goldens.source import REPO, exporter_source
 from goldens.store import (
     GOLDENS_DIR,
@@ -385,6 +386,40 @@ def test_exporter_source_is_the_goldens_modules_the_exporter_imports():
     assert "goldens/tolerances.py" not in source and all(p.startswith("goldens/") for p in source)
     for path, digest in source.items():
         assert digest == hashlib.sha256((REPO / path).read_bytes()).hexdigest(), path
+
+
+def test_committed_goldens_record_this_checkouts_exporter_source():
+    """An exporter module edited since its goldens were made is named in the gate, with the
+    goldens it made (goldens-check would fail them)."""
+    stale = [
+        path
+        for path, entry in read_manifest()["files"].items()
+        if "source" in entry
+        and entry["source"] != exporter_source(COMPONENTS[entry["command"].split()[-1]])
+    ]
+    assert stale == []
+
+
+def _state_trace(root: Path, main, perturbed_main) -> None:
+    """A one-step trace's state after step 1 and its one-ulp perturbed run's distance to it."""
+    tolerances = {"regenerate": TRACE.as_dict()}
+    state = {"w.main": np.array(main, np.float32), "w.step": np.ones(1, np.float32)}
+    _write(root, GoldenFile("trace/state_step1.safetensors", state, "test", {}, {}, tolerances))
+    distances = {"state_rel_diff_step1": np.array([[perturbed_main, 0.0]])}
+    config = {"state": ["w.main", "w.step"]}
+    _write(root, GoldenFile(check.TRACE_PERTURBED, distances, "test", {}, config, tolerances))
+
+
+def test_a_regenerated_state_is_held_to_its_own_one_ulp_spread(tmp_path):
+    committed, fresh = tmp_path / "committed", tmp_path / "fresh"
+    _state_trace(committed, [3.0, 4.0], 1e-3)
+    _state_trace(fresh, [3.0, 4.0 * (1 + 2e-3)], 1e-3)  # 1.6e-3 by norms: 1.6x its spread
+    assert check.compare(committed, fresh)[1] == []
+    _state_trace(fresh, [3.0, 4.04], 1e-3)
+    assert check.compare(committed, fresh)[1] == [
+        "trace/state_step1.safetensors w.main: largest gap / OLMo-core's one-ulp spread 8 at "
+        "w.main (allowed 4)"
+    ]
 
 
 def test_check_names_a_golden_made_by_other_exporter_source(tmp_path):
