@@ -281,15 +281,15 @@ def saved_steps_report(
 ) -> tuple[list[str], list[str]]:
     """(report lines, failures) of the regenerated saved steps."""
     report, failures = [], []
-    for step in regenerated:
-        gaps = saved_step_gaps(root, step)
+    for one in regenerated:
+        gaps = saved_step_gaps(root, one)
         failures += [f"{g.path} {g.name}: {g.what}" for g in gaps if not g.ok]
         for path in sorted({g.path for g in gaps}):
             held = [g for g in gaps if g.path == path]
             if all(g.ok for g in held):
                 nearest = max(held, key=lambda g: g.gap / g.bound)
                 report.append(
-                    f"{path}: step {step.step} within one step's rounding ({len(held)} tensors; "
+                    f"{path}: step {one.step} within one step's rounding ({len(held)} tensors; "
                     f"nearest its bound {nearest.name}: {nearest.what})"
                 )
     return report, failures
