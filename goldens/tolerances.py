@@ -374,9 +374,9 @@ LOCKSTEP_REROUTED_TOKENS = 10
 """Lockstep: most token slots a MoE layer may send elsewhere than OLMo-core in one step.
 Measured: 1 (six steps of the epoch); a routing bug moves many. Not yet held against OLMo-core's
 own rerouting: its one-ulp twin (parity.own_rerouting) moved 62 slots in the fourth MoE layer at
-step 36 of the epoch (expert 14 lost 60, spread over nine others: a whole document's routing
-moving at once), which this bound would name; JAX against OLMo-core has not met such a step on
-two CPUs."""
+step 36 of the epoch (expert 14 lost 60, spread over nine others, as when one document's EMO
+pool loses an expert), which this bound would name; JAX against OLMo-core has not met such a
+step on two CPUs."""
 LOCKSTEP_REROUTED_WINDOW = 50
 LOCKSTEP_REROUTED_STEPS = 12
 """Lockstep: most steps, of any LOCKSTEP_REROUTED_WINDOW in a row, in which a MoE layer sent a
