@@ -259,15 +259,24 @@ class StepGap:
         )
 
 
+def weights_before(state: dict[str, np.ndarray], snapshot: dict[str, np.ndarray]) -> dict:
+    """Each tensor of a step's snapshot as the state before that step holds it (its flat "main"
+    copy, float64, in the snapshot's shape): what the step's update starts from."""
+    return {
+        name: state[f"{name}.main"].reshape(after.shape).astype(np.float64)
+        for name, after in snapshot.items()
+    }
+
+
 def saved_step_gaps(root: Path, regenerated: RegeneratedStep) -> list[StepGap]:
     """Each parameter tensor's and metric's gap of one regenerated step to the committed trace."""
     step, bounds = regenerated.step, REGENERATE_SAVED_STEP
     before = load_golden(STATE.format(step - 1), root)
     snapshot = load_golden(SNAPSHOT.format(step), root)
     metrics = load_golden(TRACE_METRICS, root)
-    gaps = []
+    gaps, priors = [], weights_before(before.tensors, snapshot.tensors)
     for name, committed in sorted(snapshot.tensors.items()):
-        prior = before[f"{name}.main"].reshape(committed.shape).astype(np.float64)
+        prior = priors[name]
         gap = norm_gap(regenerated.params[name] - prior, committed - prior)
         gaps.append(StepGap(snapshot.path, name, step, gap, bounds.update))
     for name, value in sorted(regenerated.metrics.items()):

@@ -33,10 +33,10 @@ def test_saved_steps_hold_to_one_steps_rounding(regenerated):
 def _off_by_one_percent(step, snapshot: dict, before: dict):
     """The regenerated step with every tensor's update and every metric 1% off (a skipped step
     flipped): each gap is its own tensor's, so all at once is each alone."""
-    params = {}
-    for name, committed in snapshot.items():
-        prior = before[f"{name}.main"].reshape(committed.shape).astype(np.float64)
-        params[name] = prior + 1.01 * (step.params[name] - prior)
+    params = {
+        name: prior + 1.01 * (step.params[name] - prior)
+        for name, prior in check.weights_before(before, snapshot).items()
+    }
     metrics = {
         name: (1 - value) if name == "skipped" else 1.01 * value
         for name, value in step.metrics.items()
