@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,14 @@ from goldens.trace import (
     train_module,
     use_free_port,
 )
-from goldens.train_state import GRAD_NORMS, LOSSES, PREFIX, optimizer_state, unwrapped
+from goldens.train_state import (
+    GRAD_NORMS,
+    LOSSES,
+    PREFIX,
+    optimizer_state,
+    restore_optimizer_state,
+    unwrapped,
+)
 from model import optim
 from model import train_step as ts
 from model.convert import from_olmo_core, like_params, model_entries, params_to_olmo_core
@@ -155,15 +163,20 @@ def _olmo_core_metrics(raw: dict, step: int) -> Metrics:
     return ours
 
 
-def run_olmo_core(trace: GoldenTrace, steps: int, on_step: Callable[[OlmoCoreStep], None]) -> None:
-    """Train OLMo-core's micro model for `steps` steps as the trace did, calling `on_step` after
-    each with what it started from and what it did."""
+def run_olmo_core(
+    trace: GoldenTrace, steps: int, on_step: Callable[[OlmoCoreStep], None], *, first: int = 1
+) -> None:
+    """Train OLMo-core's micro model to step `steps` as the trace did, calling `on_step` after
+    each with what it started from and what it did; from step `first`, restoring the trace's
+    saved state after `first - 1` (`GoldenTrace.state`) and skipping the steps before it."""
     from olmo_core.train.callbacks import Callback
 
     make_torch_deterministic()
     use_free_port()
     cfg = trace.config
     module = train_module(cfg)
+    if first > 1:
+        restore_optimizer_state(module, trace.state(first - 1))
     side = _OlmoCoreSide(module)
     draws, counts = [], []
 
@@ -176,6 +189,8 @@ def run_olmo_core(trace: GoldenTrace, steps: int, on_step: Callable[[OlmoCoreSte
             record_expert_counts(unwrapped(module), counts.append)
 
         def pre_step(self, batch):
+            if self.step < first:  # skipped: it draws its batch and trains nothing
+                return
             self.before = self.after or side.state()
             self.input_ids = batch["input_ids"].numpy().copy()
             draws.clear()
@@ -183,6 +198,8 @@ def run_olmo_core(trace: GoldenTrace, steps: int, on_step: Callable[[OlmoCoreSte
 
         def post_step(self):
             step = self.step
+            if step < first:
+                return
             raw = {k: float(v) for k, v in self.trainer._metrics[step].items()}
             ours = _olmo_core_metrics(raw, step)
             ga, layers = cfg.train.ga_steps, len(draws) // cfg.train.ga_steps
@@ -194,7 +211,14 @@ def run_olmo_core(trace: GoldenTrace, steps: int, on_step: Callable[[OlmoCoreSte
             on_step(OlmoCoreStep(step, self.before, result, self.input_ids, pool_draws))
 
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
-        fit(cfg, module, Path(tmp), steps=steps, callbacks={"lockstep": Lockstep()})
+        fit(
+            cfg,
+            module,
+            Path(tmp),
+            steps=steps,
+            callbacks={"lockstep": Lockstep()},
+            skip_before=first,
+        )
 
 
 def _ours(state: nnx.State, cfg) -> Tensors:
@@ -261,9 +285,25 @@ def jax_step(trace: GoldenTrace, run: Run, model, olmo_core: OlmoCoreStep) -> St
 
 
 def lockstep(
-    trace: GoldenTrace, run: Run, *, steps: int, on_step: Callable[[OlmoCoreStep, StepResult], None]
+    trace: GoldenTrace,
+    run: Run,
+    *,
+    steps: int,
+    on_step: Callable[[OlmoCoreStep, StepResult], None],
+    first: int = 1,
+    overlap: bool = True,
 ) -> None:
-    """Steps 1..`steps` in lockstep; `on_step(olmo_core, ours)` after each."""
+    """Steps `first`..`steps` in lockstep; `on_step(olmo_core, ours)` after each, in step order.
+    With `overlap`, the JAX step s and `on_step` run on their own thread beside OLMo-core's step
+    s + 1 (at most one step behind; an error there stops the run at OLMo-core's next step);
+    without, one after the other."""
+    if not 1 <= first <= steps:
+        raise ValueError(f"lockstep runs steps first..steps, got first={first}, steps={steps}")
+    if first > 1 and first - 1 not in trace.state_steps:
+        raise ValueError(
+            f"lockstep can start at step 1 or after a saved training state "
+            f"{[s + 1 for s in trace.state_steps]}, not at step {first}"
+        )
     cfg = run.config
     model = nnx.split(from_olmo_core(trace.params(0), cfg.model, flags=cfg.flags))
 
@@ -272,4 +312,17 @@ def lockstep(
         # a step's modules and states sit in reference cycles: freed now, not ~45 MB a step later
         gc.collect()
 
-    run_olmo_core(trace, steps, step)
+    if not overlap:
+        run_olmo_core(trace, steps, step, first=first)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="lockstep-jax") as jax_side:
+        behind: list[Future] = []
+
+        def hand_over(olmo_core: OlmoCoreStep) -> None:
+            if behind:
+                behind.pop().result()
+            behind.append(jax_side.submit(step, olmo_core))
+
+        run_olmo_core(trace, steps, hand_over, first=first)
+        if behind:
+            behind.pop().result()

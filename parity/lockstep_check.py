@@ -16,8 +16,10 @@ Both sides start from the same state, so each gap is one step's rounding, not co
   larger (LOCKSTEP_OWN_ROUNDING), their own (`tensor_bounds`). The whole step's update is loose
   at step 1, where Adam turns the rounding of gradients near its eps into full-size updates, and
   tight after it. The optimizer alone is tight: it sees the same gradients;
-- OLMo-core's own metrics against the golden trace's (the free-running check: equal on the CPU
-  that made the trace, within its one-ulp envelope on another).
+- OLMo-core's own metrics against the golden trace's: where this CPU reproduces the trace (its
+  params bit-identical to the trace's at every saved step the run reaches: `trace_reproduced`),
+  every metric of every step bit for bit; elsewhere, and in a run that reaches no saved step,
+  within the trace's one-ulp envelope (the free-running check).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from goldens.envelope import rel_gap
 from goldens.tolerances import (
     LOCKSTEP_OWN_ROUNDING,
     LOCKSTEP_REROUTED,
@@ -47,6 +50,7 @@ from parity.records import (
     LockstepTolerances,
     Skipped,
     TensorGaps,
+    TraceCheck,
 )
 from parity.trace import GoldenTrace
 
@@ -178,14 +182,38 @@ def check_step(trace: GoldenTrace, oc: OlmoCoreStep, ours: StepResult) -> Lockst
         "exp_avg_sq": tensor_gaps(alone.exp_avg_sq, golden.after.exp_avg_sq),
     }
     tensors = {n: TensorGaps(*(gaps[kind][n] for kind in TENSOR_KINDS)) for n in golden.grads}
-    is_trace = None
-    if oc.step <= trace.steps:
-        is_trace = (
-            divergence(trace, compare_step(trace, oc.step, golden.metrics, free=True)) is None
-        )
     skipped = Skipped(bool(ours.metrics["skipped"]), bool(golden.metrics["skipped"]))
     blocks = [trace.moe_blocks[i] for i, moved in enumerate(rerouted) if moved]
-    return LockstepStep(oc.step, metrics, layers, skipped, rerouted, blocks, tensors, is_trace)
+    vs_trace = trace_check(trace, oc) if oc.step <= trace.steps else None
+    return LockstepStep(oc.step, metrics, layers, skipped, rerouted, blocks, tensors, vs_trace)
+
+
+def trace_check(trace: GoldenTrace, oc: OlmoCoreStep) -> TraceCheck:
+    """OLMo-core's step `oc` against the trace's: its metrics against the envelope and the
+    trace's values (float64, as OLMo-core logs them), its params after a saved step against the
+    trace's bits."""
+    i, mine = oc.step - 1, oc.result.metrics
+    envelope = divergence(trace, compare_step(trace, oc.step, mine, free=True)) is None
+    pairs = [(mine[n], trace.metrics[n][i]) for n in (*METRICS, "skipped")]
+    pairs += [(mine[f"{n}_per_layer"], trace.metrics[f"{n}_per_block"][i]) for n in AUX_TERMS]
+    gap = max(float(np.max(rel_gap(ours, golden))) for ours, golden in pairs)
+    params = None
+    if oc.step in trace.snapshot_steps:
+        saved, after = trace.params(oc.step), oc.result.after.params
+        params = all(after[n].tobytes() == saved[n].tobytes() for n in saved)
+    return TraceCheck(envelope, gap, params)
+
+
+def trace_reproduced(steps: Sequence[LockstepStep]) -> bool | None:
+    """Whether OLMo-core reproduces the golden trace on this CPU: its params bit-identical to
+    the trace's at every saved step among `steps` (None: the run reached none)."""
+    seen = [
+        s.olmo_core_vs_trace.params_bit_identical
+        for s in steps
+        if s.olmo_core_vs_trace is not None
+        and s.olmo_core_vs_trace.params_bit_identical is not None
+    ]
+    return all(seen) if seen else None
 
 
 def rerouted_steps(check: LockstepStep, earlier: Sequence[LockstepStep]) -> int:
@@ -196,9 +224,10 @@ def rerouted_steps(check: LockstepStep, earlier: Sequence[LockstepStep]) -> int:
 
 
 def _over(
-    trace: GoldenTrace, check: LockstepStep, earlier: Sequence[LockstepStep]
+    trace: GoldenTrace, check: LockstepStep, earlier: Sequence[LockstepStep], reproduced: bool
 ) -> list[LockstepDivergence]:
-    """Everything over its tolerance at this step."""
+    """Everything over its tolerance at this step; OLMo-core's metrics held to the trace's bits
+    where `reproduced`, to its envelope elsewhere."""
     s, out = check.step, []
     for name, c in check.metrics.items():
         if not c.ok:
@@ -234,21 +263,49 @@ def _over(
             gap, tol = getattr(t, f"{kind}_rel_gap"), getattr(step_bounds, field)
             if gap > tol:
                 out.append(LockstepDivergence(s, kind, name, block_of(name), gap, tol))
-    if check.olmo_core_is_trace is False:
+    vs_trace = check.olmo_core_vs_trace
+    if vs_trace is not None and reproduced and vs_trace.rel_gap > 0:
+        out.append(
+            LockstepDivergence(
+                s, "trace", "OLMo-core's bits vs the trace", None, vs_trace.rel_gap, 0.0
+            )
+        )
+    elif vs_trace is not None and not reproduced and not vs_trace.envelope:
         out.append(LockstepDivergence(s, "trace", "OLMo-core vs the trace", None, np.inf, 0.0))
     return out
 
 
 def over_tolerance(
-    trace: GoldenTrace, check: LockstepStep, earlier: Sequence[LockstepStep] = ()
+    trace: GoldenTrace,
+    check: LockstepStep,
+    earlier: Sequence[LockstepStep] = (),
+    reproduced: bool | None = None,
 ) -> list[LockstepDivergence]:
     """What is over its tolerance at this step (`earlier`: the steps before it), farthest over
-    first."""
+    first; `reproduced`: whether OLMo-core reproduces the trace here (`trace_reproduced`; by
+    default as far as `earlier` and this step show)."""
+    if reproduced is None:
+        reproduced = bool(trace_reproduced([*earlier, check]))
     ratio = lambda d: np.inf if d.tolerance == 0 else d.rel_gap / d.tolerance  # noqa: E731
-    return sorted(_over(trace, check, earlier), key=ratio, reverse=True)
+    return sorted(_over(trace, check, earlier, reproduced), key=ratio, reverse=True)
 
 
-def lockstep_record(trace: GoldenTrace, steps: list[LockstepStep]) -> LockstepRecord:
-    overs = (over_tolerance(trace, s, steps[:i]) for i, s in enumerate(steps))
+def trace_held(reproduced: bool | None) -> str:
+    """How OLMo-core's metrics are held to the trace's, in words (`LockstepRecord.trace_held`)."""
+    if reproduced:
+        return "bit-identical: OLMo-core's params at the saved steps reached are the trace's bits"
+    if reproduced is None:
+        return "envelope: the run reached no saved step to show whether this CPU reproduces it"
+    return "envelope: OLMo-core's params at a saved step differ from the trace's on this CPU"
+
+
+def lockstep_record(
+    trace: GoldenTrace, steps: list[LockstepStep], reproduced: bool | None = None
+) -> LockstepRecord:
+    """The run's record; OLMo-core's metrics held to the trace's bits if `reproduced` (by
+    default: if the run's saved steps show it, `trace_reproduced`), else to its envelope."""
+    if reproduced is None:
+        reproduced = trace_reproduced(steps)
+    overs = (over_tolerance(trace, s, steps[:i], bool(reproduced)) for i, s in enumerate(steps))
     first = next((o[0] for o in overs if o), None)
-    return LockstepRecord(steps, first, TOLERANCES)
+    return LockstepRecord(steps, first, TOLERANCES, trace_held(reproduced))

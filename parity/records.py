@@ -134,11 +134,22 @@ class TensorGaps:
 
 
 @dataclass(frozen=True)
+class TraceCheck:
+    """OLMo-core's own step in lockstep against the golden trace's: its metrics (every one, each
+    MoE layer's, the skip flag) within the trace's one-ulp envelope, their largest relative gap
+    to the trace's values (0: the same bits), and at a saved step whether its params
+    after the step are the trace's bit for bit (None at other steps)."""
+
+    envelope: bool
+    rel_gap: float
+    params_bit_identical: bool | None
+
+
+@dataclass(frozen=True)
 class LockstepStep:
     """One lockstep step: every metric and MoE layer (as `StepCheck`), the token slots each MoE
     layer sent to other experts than OLMo-core did and the blocks of the layers that did, every
-    tensor, and whether OLMo-core's own metrics agree with the golden trace's (None past the
-    trace's steps)."""
+    tensor, and OLMo-core's own step against the golden trace's (None past the trace's steps)."""
 
     step: int
     metrics: dict[str, Check]
@@ -147,15 +158,16 @@ class LockstepStep:
     tokens_rerouted: list[int]
     rerouted_blocks: list[int]
     tensors: dict[str, TensorGaps]
-    olmo_core_is_trace: bool | None
+    olmo_core_vs_trace: TraceCheck | None
 
 
 @dataclass(frozen=True)
 class LockstepDivergence:
     """The first step over tolerance and, of what is over there, the farthest over: `kind` one of
     "metric", "layer", "routing", "skipped", a `TensorGaps` kind ("grad", "update",
-    "optimizer_update", "exp_avg", "exp_avg_sq") or "trace" (OLMo-core left the trace's envelope);
-    `name` the metric or OLMo-core parameter; `block` its block."""
+    "optimizer_update", "exp_avg", "exp_avg_sq") or "trace" (OLMo-core's metrics left the trace's
+    bits where it reproduces the trace, its envelope elsewhere); `name` the metric or OLMo-core
+    parameter; `block` its block."""
 
     step: int
     kind: str
@@ -186,6 +198,9 @@ class LockstepRecord:
     steps: list[LockstepStep]
     first_divergence: LockstepDivergence | None
     tolerances: LockstepTolerances
+    trace_held: str
+    """How OLMo-core's metrics were held to the trace's: "bit-identical" where its params at
+    every saved step the run reached were the trace's bits, else "envelope" (and why)."""
 
     @property
     def passed(self) -> bool:

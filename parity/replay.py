@@ -79,7 +79,21 @@ def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=None,
-        help="steps (default: the trace's 50; lockstep may run to the end of the data's epoch)",
+        help="the last step (default: the trace's 50; lockstep may run to the end of the data's "
+        "epoch)",
+    )
+    parser.add_argument(
+        "--from-step",
+        type=int,
+        default=1,
+        help="lockstep: start at this step, OLMo-core from the trace's saved training state "
+        "before it (1, the default, 10 or 50)",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="lockstep: OLMo-core's step and the JAX step one after the other (default: the JAX "
+        "step s on a thread beside OLMo-core's step s + 1)",
     )
     parser.add_argument(
         "--flags",
@@ -125,10 +139,29 @@ def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
 def _steps(args: argparse.Namespace, trace: GoldenTrace) -> int:
     most = trace.data.num_batches if args.view == "lockstep" else trace.steps
     steps = trace.steps if args.steps is None else args.steps
-    if not 1 <= steps <= most:
+    if not args.from_step <= steps <= most:
         what = "the data's first epoch" if args.view == "lockstep" else "the golden trace's steps"
-        raise SystemExit(f"--steps must lie in 1..{most} ({what}) for {args.view}, got {steps}")
+        raise SystemExit(
+            f"--steps must lie in {args.from_step}..{most} ({what}) for {args.view}, got {steps}"
+        )
     return steps
+
+
+def _lockstep_options(args: argparse.Namespace, trace: GoldenTrace) -> None:
+    """Exits naming the option when --from-step or --sequential cannot be."""
+    if args.view != "lockstep":
+        for given, option in (
+            (args.from_step != 1, "--from-step"),
+            (args.sequential, "--sequential"),
+        ):
+            if given:
+                raise SystemExit(f"{option} is lockstep's, not {args.view}'s")
+    starts = [1, *(s + 1 for s in trace.state_steps)]
+    if args.from_step not in starts:
+        raise SystemExit(
+            f"--from-step must be one of {starts} (the trace keeps OLMo-core's training state "
+            f"after steps {list(trace.state_steps)}), got {args.from_step}"
+        )
 
 
 def _progress(console: Console) -> Progress:
@@ -155,7 +188,7 @@ def _windows(window: int, steps: int, progress: Progress, task, table) -> Callab
 def _lockstep(args, trace: GoldenTrace, setup: Run, steps: int, console: Console):
     checks: list[LockstepStep] = []
     with _progress(console) as progress:
-        task = progress.add_task("lockstep", total=steps, gap="")
+        task = progress.add_task("lockstep", total=steps - args.from_step + 1, gap="")
         add = _windows(args.window, steps, progress, task, report.lockstep_table)
 
         def on_step(olmo_core, ours) -> None:
@@ -166,7 +199,14 @@ def _lockstep(args, trace: GoldenTrace, setup: Run, steps: int, console: Console
                 progress.console.print(line)
             add(check, f"CE gap {check.metrics['ce'].rel_gap:.1e}")
 
-        lockstep(trace, setup, steps=steps, on_step=on_step)
+        lockstep(
+            trace,
+            setup,
+            steps=steps,
+            on_step=on_step,
+            first=args.from_step,
+            overlap=not args.sequential,
+        )
     record = lockstep_record(trace, checks)
     console.print(report.lockstep_verdict(record))
     report.plot_lockstep(record, args.out / "replay.png")
@@ -221,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         use_transcendentals(transcendentals)
     use_platform(args.platform, args.mesh.devices)
     trace = load_trace()
+    _lockstep_options(args, trace)
     steps = _steps(args, trace)
     config = trace.config if args.flags == "olmo_core" else maxtext_config(trace.config)
     scale = dataclasses.replace(config.scale, matmul_precision=args.matmul_precision)
@@ -229,8 +270,9 @@ def run(args: argparse.Namespace) -> int:
     precision = matmul_precision(config)
     console = Console()
     on_tpu = f", {transcendentals} transcendentals" if transcendentals else ""
+    which = f"steps {args.from_step}-{steps}" if args.from_step > 1 else f"{steps} steps"
     console.print(
-        f"{args.view}: {steps} steps of OLMo-core's micro config (GA {config.train.ga_steps}, "
+        f"{args.view}: {which} of OLMo-core's micro config (GA {config.train.ga_steps}, "
         f"flags {args.flags}, mesh {args.mesh}, JAX on {device} at matmul precision "
         f"{precision}{on_tpu}); the first step compiles."
     )

@@ -19,6 +19,7 @@ from model.config import Config, Flags, micro, olmo_core
 from model.data import OlmoData
 
 SNAPSHOT = "trace/params_step{}.safetensors"
+STATE = "trace/state_step{}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class GoldenTrace:
     moe_blocks: tuple[int, ...]
     """OLMo-core block index of each MoE layer."""
     snapshot_steps: tuple[int, ...]
+    state_steps: tuple[int, ...]
+    """The steps after which the trace keeps OLMo-core's whole training state (`state`)."""
     data: OlmoData
     config: Config
     """The run's config: micro, every flag at OLMo-core's, the golden global-indices file."""
@@ -47,6 +50,13 @@ class GoldenTrace:
         if step not in self.snapshot_steps:
             raise ValueError(f"the trace saved params at steps {self.snapshot_steps}, not {step}")
         return load_golden(SNAPSHOT.format(step)).tensors
+
+    def state(self, step: int) -> dict[str, np.ndarray]:
+        """OLMo-core's training state after `step` steps (one of `state_steps`), as
+        `goldens.train_state.optimizer_state` gives it."""
+        if step not in self.state_steps:
+            raise ValueError(f"the trace saved states after steps {self.state_steps}, not {step}")
+        return load_golden(STATE.format(step)).tensors
 
     def micro_batches(self, step: int, flags: Flags) -> dict[str, np.ndarray]:
         """The micro-batches of `step` (from 1) for `model.objective`: rows of `OlmoData`
@@ -82,16 +92,15 @@ def load_trace() -> GoldenTrace:
                 "model.config.micro(); regenerate it with `tox -e goldens -- trace`"
             )
     data = OlmoData.from_config(config, [resolve(p) for p in order["token_files"]])
+    saved = read_manifest()["files"]
+    steps = range(golden.entry["config"]["steps"] + 1)
     return GoldenTrace(
         metrics=golden.tensors,
         perturbed=perturbed.tensors,
         param_names=tuple(perturbed.entry["config"]["params"]),
         moe_blocks=tuple(golden.entry["config"]["moe_blocks"]),
-        snapshot_steps=tuple(
-            step
-            for step in range(golden.entry["config"]["steps"] + 1)
-            if SNAPSHOT.format(step) in read_manifest()["files"]
-        ),
+        snapshot_steps=tuple(step for step in steps if SNAPSHOT.format(step) in saved),
+        state_steps=tuple(step for step in steps if STATE.format(step) in saved),
         data=data,
         config=config,
     )
