@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -165,9 +164,9 @@ def like_params(state_dict: Mapping, params: nnx.State, entries: list[Entry]) ->
         value = _to_ours(_numpy(state_dict[entry.torch_key], leaf.dtype), entry.layout)
         if value.shape != leaf.shape:
             raise ValueError(f"{entry.torch_key}: shape {value.shape}, expected {leaf.shape}")
-        return jnp.asarray(value)
+        return value
 
-    return jax.tree_util.tree_map_with_path(convert, params)
+    return jax.device_put(jax.tree_util.tree_map_with_path(convert, params))
 
 
 def params_to_olmo_core(params: nnx.State, entries: list[Entry]) -> dict[str, np.ndarray]:
