@@ -7,10 +7,13 @@ committed ones, so no component inherits the trace's chaos. The envelope is wide
 median 6% of a tensor's norm), so each later snapshot's step is also run alone from the committed
 state one step before it (goldens.trace.regenerate_step) and held to one step's rounding
 (goldens.tolerances.REGENERATE_SAVED_STEP): every tensor's update and every metric of that step.
-Prints, per file, whether it came out bit-identical, within rounding, within the envelope or within
-one step's rounding, and names both CPUs when they differ; exits 1 naming every file and tensor
-that does not hold, any manifest field that changed, and any golden whose exporter source
-(goldens.source) changed since it was made."""
+The exports run in parallel lanes, one per core, each component alone in its own process, beside
+the saved steps in this one (goldens.lanes).
+Prints, per file, whether it came out bit-identical, within rounding, within the envelope or
+within one step's rounding, names both CPUs when they differ, and each lane's jobs and wall time;
+exits 1 naming every file and tensor that does not hold, any manifest field that changed, and any
+golden whose exporter source (goldens.source) changed since it was made, or an export that failed
+(at once, with its stderr)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from goldens.envelope import metric_spread, norm_gap, param_spread, rel_gap
-from goldens.export import COMPONENTS, export, make_torch_deterministic
+from goldens.export import COMPONENTS, make_torch_deterministic
+from goldens.lanes import ExportFailed, available_cores, export_in_lanes
 from goldens.store import GOLDENS_DIR, Golden, load_golden, read_manifest
 from goldens.tolerances import ENVELOPE_FLOOR, REGENERATE_SAVED_STEP
 from goldens.trace import STATE_STEPS, RegeneratedStep, regenerate_step, use_free_port
@@ -363,13 +367,24 @@ def compare(
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="goldens-check-") as tmp:
-        export(list(COMPONENTS), Path(tmp))
-        report, failures = compare(GOLDENS_DIR, Path(tmp), regenerate_saved_steps())
+        try:
+            regenerated, lanes = export_in_lanes(
+                list(COMPONENTS),
+                Path(tmp),
+                ("saved steps", regenerate_saved_steps),
+                workers=available_cores(),
+            )
+        except ExportFailed as failed:
+            print(f"goldens-check: {failed}")
+            return 1
+        report, failures = compare(GOLDENS_DIR, Path(tmp), regenerated)
     print("goldens-check:")
     for line in report:
         print(f"  {line}")
     for line in failures:
         print(f"  MISMATCH: {line}")
+    for number, lane in enumerate(lanes, 1):
+        print(f"  lane {number}: {lane.describe()}")
     return 1 if failures else 0
 
 
