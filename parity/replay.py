@@ -5,7 +5,9 @@ lockstep (default, `parity.lockstep`): OLMo-core's own train module trains besid
 every step both start from OLMo-core's state (params, Adam moments, skip history) and the same
 batch and EMO draws, and every metric, MoE layer, gradient, update and moment is compared with
 tolerances measured for one step (`parity.lockstep_check`). Runs past the trace's 50 steps, up to
-the data's first epoch. OLMo-core's metrics are also checked against the golden trace.
+the data's first epoch, or from a saved training state of the trace (`--from-step`); the JAX step
+runs beside OLMo-core's next one unless `--sequential`. OLMo-core's metrics are also checked
+against the golden trace: bit for bit where this CPU reproduces it, within its envelope elsewhere.
 
 free-running (`parity.run`): from OLMo-core's step-0 weights only the JAX optimizer moves the
 params; each step's metrics are compared with the trace, and each parameter tensor at the saved
