@@ -297,12 +297,10 @@ def lockstep(
     With `overlap`, the JAX step s and `on_step` run on their own thread beside OLMo-core's step
     s + 1 (at most one step behind; an error there stops the run at OLMo-core's next step);
     without, one after the other."""
-    if not 1 <= first <= steps:
-        raise ValueError(f"lockstep runs steps first..steps, got first={first}, steps={steps}")
-    if first > 1 and first - 1 not in trace.state_steps:
+    if first not in trace.starts or first > steps:
         raise ValueError(
-            f"lockstep can start at step 1 or after a saved training state "
-            f"{[s + 1 for s in trace.state_steps]}, not at step {first}"
+            f"lockstep runs steps first..steps from one of the steps {trace.starts}, got "
+            f"first={first}, steps={steps}"
         )
     cfg = run.config
     model = nnx.split(from_olmo_core(trace.params(0), cfg.model, flags=cfg.flags))

@@ -158,11 +158,10 @@ def _lockstep_options(args: argparse.Namespace, trace: GoldenTrace) -> None:
         ):
             if given:
                 raise SystemExit(f"{option} is lockstep's, not {args.view}'s")
-    starts = [1, *(s + 1 for s in trace.state_steps)]
-    if args.from_step not in starts:
+    if args.from_step not in trace.starts:
         raise SystemExit(
-            f"--from-step must be one of {starts} (the trace keeps OLMo-core's training state "
-            f"after steps {list(trace.state_steps)}), got {args.from_step}"
+            f"--from-step must be one of {list(trace.starts)} (the trace keeps OLMo-core's "
+            f"training state after steps {list(trace.state_steps)}), got {args.from_step}"
         )
 
 

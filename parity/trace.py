@@ -45,6 +45,11 @@ class GoldenTrace:
     def steps(self) -> int:
         return len(self.metrics["ce"])
 
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """The steps lockstep can start at: 1, and each one after a saved training state."""
+        return (1, *(step + 1 for step in self.state_steps))
+
     def params(self, step: int) -> dict[str, np.ndarray]:
         """OLMo-core's state dict after `step` steps (one of `snapshot_steps`)."""
         if step not in self.snapshot_steps:

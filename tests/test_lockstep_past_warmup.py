@@ -152,3 +152,17 @@ def test_the_run_says_whether_this_cpu_reproduces_the_trace(overlapped, checks):
     assert held.startswith("bit-identical" if reproduced else "envelope"), held
     if reproduced:
         assert all(c.olmo_core_vs_trace.rel_gap == 0 for c in checks)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--from-step", "5"], r"--from-step must be one of \[1, 10, 50\]"),
+        (["--from-step", "10", "--steps", "9"], r"--steps must lie in 10\.\.302"),
+        (["--view", "free-running", "--sequential"], "--sequential is lockstep's"),
+        (["--view", "teacher-forced", "--from-step", "10"], "--from-step is lockstep's"),
+    ],
+)
+def test_a_start_lockstep_cannot_take_is_named(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        replay.main(argv)
