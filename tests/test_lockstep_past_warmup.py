@@ -8,7 +8,7 @@ is named at step 12 by the JAX optimizer's update.
 OLMo-core's own metrics are held to the trace's bits where this CPU reproduces the trace (its
 params at step 10 the trace's bits), to the one-ulp envelope elsewhere. Each branch is forced on
 a trace that OLMo-core's run here reproduces by construction, so both run on any CPU: a committed
-metric 1% off is named by the first and passes the second."""
+CE, grad norm or MoE layer's LB loss 1% off is named by the first; the last two pass the second."""
 
 import dataclasses
 import json
