@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from model import config as c
 from model import train_step as ts
+from model.state import jit_train_step
 from parity import small_lm
 
 VOCAB, D_MODEL, ROWS, SEQ, GA, TILES = 32768, 256, 32, 512, 2, 8
@@ -29,12 +30,8 @@ def _temp_bytes(params, batch, mesh, *, seq_major: bool, barrier: bool) -> int:
     state = ts.init_state(params, cfg)
     rows = NamedSharding(mesh, P(None, "data"))
     replicated = NamedSharding(mesh, P())
-    step = jax.jit(
-        lambda state, mb: ts.train_step(state, mb, cfg=cfg, terms_fn=terms),
-        in_shardings=(
-            jax.tree.map(lambda _: replicated, state),
-            jax.tree.map(lambda _: rows, batch),
-        ),
+    step = jit_train_step(
+        cfg, terms, shardings=jax.tree.map(lambda _: replicated, state), rows=rows
     )
     compiled = step.lower(state, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes

@@ -55,7 +55,7 @@ from model import train_step as ts
 from model.config import Config, micro, olmo_core
 from model.convert import from_olmo_core
 from model.data import OlmoData
-from model.objective import model_terms_fn
+from model.state import compiled_train_step
 
 TRACE_STEP = 1
 """The golden trace's first step: data batch 0, the step-0 weights."""
@@ -106,8 +106,7 @@ def _jax_step_seconds(cfg: Config, batch: dict[str, np.ndarray]) -> tuple[float,
     """(compile seconds: trace, lower and compile the jitted step; best step seconds)."""
     params0 = load_golden("trace/params_step0.safetensors").tensors
     graphdef, params = nnx.split(from_olmo_core(params0, cfg.model))
-    terms = model_terms_fn(graphdef, cfg)
-    step = jax.jit(lambda state, mb: ts.train_step(state, mb, cfg=cfg, terms_fn=terms))
+    step = compiled_train_step(cfg, graphdef)
     state, mb = ts.init_state(params, cfg), jax.tree.map(jnp.asarray, batch)
     start = time.perf_counter()
     compiled = step.lower(state, mb).compile()

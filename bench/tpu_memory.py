@@ -35,14 +35,8 @@ import jax.numpy as jnp
 
 from model import config as c
 from model import train_step as ts
-from model.objective import model_terms_fn
-from model.sharding import (
-    abstract_params,
-    layout_of,
-    make_mesh,
-    state_shardings,
-    with_shardings,
-)
+from model.layout import layout_of, make_mesh, with_shardings
+from model.state import abstract_params, compiled_train_step, state_shardings
 from parity.tpu_topology import tpu_devices
 
 GIB = 2**30
@@ -57,7 +51,7 @@ PEAK_OPS = 6
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 REMOVED = 4
 """How many of the collectives flat has and seq-major has not the report names."""
-JIT_PREFIX = "jit(<lambda>)/while/body/closed_call/"
+JIT_PREFIX = "jit(train_step)/while/body/closed_call/"
 HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
 """Bytes of one element of each HLO element type the train step has."""
 LOOP_STATE = "wide."
@@ -211,15 +205,7 @@ def compile_step(cfg: c.Config, mesh) -> Memory:
         "inputs_segmentation": tokens,
         "pool_draws": jax.ShapeDtypeStruct(draws, jnp.int32, sharding=on_rows),
     }
-    terms = model_terms_fn(graphdef, cfg, mesh=mesh)
-    step = jax.jit(
-        lambda state, mb: ts.train_step(
-            state, mb, cfg=cfg, terms_fn=terms, grad_sharding=shardings.params
-        ),
-        in_shardings=(shardings, on_rows),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
+    step = compiled_train_step(cfg, graphdef, mesh, donate=True)
     start = time.perf_counter()
     lowered = step.lower(state, batch)
     arguments = _shard_bytes((state, batch))

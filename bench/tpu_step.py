@@ -32,9 +32,8 @@ from bench.step import model_flops
 from bench.timing import best_seconds
 from model import config as c
 from model import train_step as ts
-from model.objective import model_terms_fn
 from model.precision import matmul_precision
-from model.sharding import make_model
+from model.state import compiled_train_step, make_model
 
 PRECISIONS = ("default", "highest")
 BLOCKS = 4
@@ -105,8 +104,7 @@ def measure(precision: str) -> dict[str, float]:
     state = jax.tree.map(jnp.copy, ts.init_state(params, cfg))  # one buffer a leaf, to donate
     del params  # the state holds its own copy; two would not fit beside the step's temporaries
     batch = micro_batches(cfg)
-    terms = model_terms_fn(graphdef, cfg)
-    step = jax.jit(lambda s, mb: ts.train_step(s, mb, cfg=cfg, terms_fn=terms), donate_argnums=0)
+    step = compiled_train_step(cfg, graphdef, donate=True)
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start

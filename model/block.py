@@ -13,20 +13,16 @@ keeps them at block level, `model.convert` maps the two).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 from flax import nnx
 
 from model.attention import Attention
 from model.config import ModelConfig
 from model.kda import KimiDeltaAttention
+from model.layout import Layout
 from model.moe import LatentMoE, MoEAux, SharedExpert
 from model.norms import RMSNorm
 from model.precision import compute_dtype
-
-if TYPE_CHECKING:
-    from model.sharding import Layout
 
 NORMS = ("attention_input_norm", "attention_norm", "feed_forward_input_norm", "feed_forward_norm")
 """The four peri-norms of a block, OLMo-core's names."""

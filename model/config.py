@@ -25,7 +25,7 @@ POSITIONAL_ENCODINGS = ("none",)
 COMPUTE_DTYPES = ("float32", "float64", "bfloat16")
 ROUTER_DTYPES = (None, "bfloat16")
 MESH_AXES = ("data", "fsdp", "expert")
-"""The mesh axes of `model.sharding`: data parallel, fully sharded data parallel, experts."""
+"""The mesh axes of `model.layout`: data parallel, fully sharded data parallel, experts."""
 LOGICAL_AXIS_RULES = (
     ("batch", ("data", "fsdp", "expert")),
     ("experts", ("expert",)),
@@ -39,7 +39,7 @@ LOGICAL_AXIS_RULES = (
 )
 """Logical axis -> the mesh axes it is split over, as MaxText's `logical_axis_rules`. Rows split
 over every axis (the expert axis shards the batch outside the MoE), routed experts over "expert",
-and every weight over "fsdp" along its first axis that takes it (`model.sharding.Layout.spec`)."""
+and every weight over "fsdp" along its first axis that takes it (`model.layout.Layout.spec`)."""
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 """JAX's matmul precisions (`jax.default_matmul_precision`). On a TPU a float32 matmul takes one

@@ -206,14 +206,7 @@ def from_olmo_core(state_dict: Mapping, cfg: ModelConfig, *, flags: Flags | None
     the mixers' switches; None is OLMo-core's behaviour (mixers see the whole instance). No random
     init: the module is built from abstract shapes and every param comes from the state dict."""
     flags = flags or Flags(olmoe3_mixers_ignore_segment_ids=True)
-    model = nnx.eval_shape(
-        lambda: Transformer(
-            cfg,
-            ignore_segment_ids=flags.olmoe3_mixers_ignore_segment_ids,
-            kda_inverse=flags.kda_inverse,
-            rngs=nnx.Rngs(0),
-        )
-    )
+    model = nnx.eval_shape(lambda: Transformer.of(cfg, flags, rngs=nnx.Rngs(0)))
     load_olmo_core(model, state_dict, model_entries(cfg))
     return model
 

@@ -19,15 +19,13 @@ fsdp (the transpose of the gather) and summed over the other data axes (by `shar
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-if TYPE_CHECKING:
-    from model.sharding import Layout
+from model.layout import Layout
 
 EXPERTS = ("experts", "mlp", "latent")
 """Logical axes of the routed experts' weights [E, 2H or H, L]."""

@@ -37,7 +37,7 @@ def linear(
 ) -> nnx.Linear:
     """A linear layer, kernel [in, out] drawn `trunc_normal(std)`, bias (if any) zero; computes in
     `dtype` (the compute dtype), params in `full_precision(dtype)`. `axes`: the kernel's logical
-    axis names (`model.sharding`); the bias takes the output's."""
+    axis names (`model.layout`); the bias takes the output's."""
     return nnx.Linear(
         d_in,
         d_out,

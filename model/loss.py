@@ -13,17 +13,13 @@ are where the batch's already are, and nothing moves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from model.data import IGNORE_INDEX
+from model.layout import Layout
 from model.precision import full_precision, upcast
-
-if TYPE_CHECKING:
-    from model.sharding import Layout
 
 
 def cross_entropy_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -22,7 +22,7 @@ alone is also the dense feed-forward of block 0 (OLMo-core builds it as a shared
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +33,9 @@ from model.aux_losses import expert_counts, grouped_load_balancing_loss, router_
 from model.config import MoEConfig
 from model.expert_parallel import expert_parallel
 from model.init import linear, trunc_normal
+from model.layout import Layout
 from model.precision import full_precision
 from model.router import Router, Routing
-
-if TYPE_CHECKING:
-    from model.sharding import Layout
 
 MEGABLOX_TILE = 512
 """Largest tile side of `megablox_matmul` (rows, contracted, output)."""
@@ -204,7 +202,7 @@ def dispatch_for(platform: str):
 class RoutedExperts(nnx.Module):
     """E SwiGLU experts of hidden H on width L; `__call__(z [B, T, L], routing)` -> [B, T, L].
     Computes in `dtype` (the compute dtype), params in `full_precision(dtype)`. With a `layout`
-    (`model.sharding`) the experts run split over its mesh (`model.expert_parallel`)."""
+    (`model.layout`) the experts run split over its mesh (`model.expert_parallel`)."""
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ A micro-batch is a dict of arrays with the rows first (`OlmoData.micro_batches` 
 of document d of a row in column d). Document ids are `inputs_segmentation - 1`: from EOS when the
 data was made with `Flags.olmo_segment_ids_from_eos`, one document a row otherwise (MaxText).
 
-On a mesh (`model.sharding`) the model runs under GSPMD on the whole micro-batch: rows split over
+On a mesh (`model.layout`) the model runs under GSPMD on the whole micro-batch: rows split over
 the devices, weights gathered where used, the routed experts in `shard_map`
 (`model.expert_parallel`); each term is the whole batch's. `Flags.moe_global_load_balancing`
 balances the whole batch's expert counts, which is OLMo-core's `global_load_balancing` (counts
@@ -24,8 +24,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from model.config import Config
-from model.loss import lm_head_loss_sums
-from model.sharding import Layout, layout_of
+from model.layout import Layout, layout_of
 from model.train_step import TermsFn
 
 
@@ -44,10 +43,8 @@ def _terms(graphdef, cfg: Config, params, mb, div, layout: Layout | None):
         layout=layout,
         remat=cfg.scale.remat_policy,
     )
-    head = model.lm_head
-    ce, z = lm_head_loss_sums(
-        head.norm(h),
-        head.w_out.kernel[...].astype(model.dtype),  # the LM head's matmul in the compute dtype
+    ce, z = model.lm_head.loss_sums(
+        h,
         mb["labels"],
         tiles=cfg.train.vocab_tiles,
         seq_major=cfg.flags.vocab_tiling_seq_major,

@@ -12,28 +12,27 @@ evaluation every document has the eval pool. The per-layer router losses (unweig
 `loss_div_factor`) and expert counts come back stacked over the MoE layers; OLMo-core attaches the
 weighted ones to the graph instead, so a trainer adds them to its objective itself.
 
-At scale (`model.sharding`) the hidden state is laid out [batch, length, embed] between blocks,
+At scale (`model.layout`) the hidden state is laid out [batch, length, embed] between blocks,
 and each block may be rematerialised (`ScaleConfig.remat_policy`, `CHECKPOINT_POLICIES`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from model.block import Block
-from model.config import ModelConfig
+from model.config import Flags, ModelConfig
 from model.init import linear, trunc_normal
+from model.layout import Layout
+from model.loss import lm_head_loss_sums
 from model.moe import MoEAux
 from model.norms import RMSNorm
 from model.precision import compute_dtype, full_precision
 from model.router import document_ids_from_eos, draw_pools
-
-if TYPE_CHECKING:
-    from model.sharding import Layout
 
 CHECKPOINT_POLICIES = {"full": None, "save_matmuls": jax.checkpoint_policies.dots_saveable}
 """`jax.checkpoint` policy of each `ScaleConfig.remat_policy` but "none": "full" saves nothing
@@ -63,12 +62,33 @@ class LMHead(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, V = config.d_model, config.vocab_size
-        dtype = compute_dtype(config.compute_dtype)
-        self.norm = RMSNorm(d, eps=config.norm_eps, dtype=dtype)
-        self.w_out = linear(d, V, config.init_std, rngs, axes=("embed", "vocab"), dtype=dtype)
+        self.dtype = compute_dtype(config.compute_dtype)
+        self.norm = RMSNorm(d, eps=config.norm_eps, dtype=self.dtype)
+        self.w_out = linear(d, V, config.init_std, rngs, axes=("embed", "vocab"), dtype=self.dtype)
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return self.w_out(self.norm(h))
+
+    def loss_sums(
+        self,
+        h: jax.Array,
+        labels: jax.Array,
+        *,
+        tiles: int,
+        seq_major: bool,
+        layout: Layout | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The CE and z-loss sums over the labels not ignored of hidden states h [B, T, d_model]
+        and labels [B, T], the logits made a vocab tile at a time (`model.loss.lm_head_loss_sums`;
+        OLMo-core's `LMHead` with its fused loss); the projection in the compute dtype."""
+        return lm_head_loss_sums(
+            self.norm(h),
+            self.w_out.kernel[...].astype(self.dtype),
+            labels,
+            tiles=tiles,
+            seq_major=seq_major,
+            layout=layout,
+        )
 
 
 class Transformer(nnx.Module):
@@ -106,6 +126,16 @@ class Transformer(nnx.Module):
         )
         self.lm_head = LMHead(config, rngs=rngs)
 
+    @classmethod
+    def of(cls, config: ModelConfig, flags: Flags, *, rngs: nnx.Rngs) -> Transformer:
+        """The model of `config` with the mixers' switches of `flags`."""
+        return cls(
+            config,
+            ignore_segment_ids=flags.olmoe3_mixers_ignore_segment_ids,
+            kda_inverse=flags.kda_inverse,
+            rngs=rngs,
+        )
+
     def hidden(
         self,
         input_ids: jax.Array,
@@ -124,7 +154,7 @@ class Transformer(nnx.Module):
         `pool_draws` [n_moe_layers, B, T] (document d of row b in layer l uses [l, b, d]) and
         `pool_key`; neither in evaluation. `loss_div_factor`: the aux losses' divisor (None:
         B*T). `document_ids` [B, T] from 0 (None: from EOS, OLMo-core's way). `lb_groups`: as
-        `model.moe.router_aux`. `layout`: the mesh the model runs on (`model.sharding`; None:
+        `model.moe.router_aux`. `layout`: the mesh the model runs on (`model.layout`; None:
         one device). `remat`: `ScaleConfig.remat_policy`."""
         c = self.config
         pools = self.pool_sizes(

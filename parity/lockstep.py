@@ -44,7 +44,7 @@ from goldens.train_state import (
 from model import optim
 from model import train_step as ts
 from model.convert import from_olmo_core, like_params, model_entries, params_to_olmo_core
-from parity.run import Metrics, Run, step_parts, take_step
+from parity.run import Metrics, Run, parts_at, take_step
 from parity.trace import GoldenTrace
 
 Tensors = dict[str, np.ndarray]
@@ -275,7 +275,7 @@ def jax_step(trace: GoldenTrace, run: Run, model, olmo_core: OlmoCoreStep) -> St
     state = ts.TrainState(params, opt_state, jnp.asarray(step - 1, jnp.int32))
     batch = jax.tree.map(jnp.asarray, _micro_batches(trace, run, olmo_core))
     after, metrics, grads = take_step(run, graphdef, state, batch)
-    _, update, _ = step_parts(run, graphdef, step)
+    update = parts_at(run, graphdef, step)[0].update
     golden_grads = load(olmo_core.result.grads)
     ce = jnp.asarray(olmo_core.result.metrics["ce"], jnp.float32)
     alone, alone_opt, _ = update(params, golden_grads, opt_state, state.step, ce)

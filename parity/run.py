@@ -23,8 +23,9 @@ from model import optim
 from model import train_step as ts
 from model.config import Config
 from model.convert import from_olmo_core, to_olmo_core
+from model.layout import make_mesh
 from model.objective import model_terms_fn
-from model.sharding import abstract_params, layout_of, make_mesh, state_shardings
+from model.state import StepParts, step_parts
 from parity.faults import InjectedFault
 from parity.trace import GoldenTrace
 
@@ -112,71 +113,40 @@ def _metrics(out: dict[str, jax.Array]) -> Metrics:
     return {k: np.asarray(v).tolist() for k, v in out.items()}
 
 
-def _update(params, grads, opt_state, step, loss, *, cfg: Config):
-    return optim.step(params, grads, opt_state, step=step, loss=loss, cfg=cfg)
-
-
 @functools.cache
-def _jitted(run: Run, graphdef):
-    """The train step's two jitted parts for `run` (its fault only where it is `in_the_trace`):
-    accumulate, then the optimizer (`update(params, grads, opt_state, step, loss)`). On a mesh,
-    inputs and outputs are laid out by their logical axes and the accumulated gradients kept as
-    the params."""
+def _compiled(run: Run, graphdef) -> StepParts:
+    """The train step's two jitted parts for `run` (its fault only where it is `in_the_trace`),
+    on its mesh (`model.state.step_parts`)."""
     cfg = run.config
     mesh = make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
     terms = model_terms_fn(graphdef, cfg, mesh=mesh)
     if run.wrap_terms is not None:
         terms = run.wrap_terms(terms)
-    accumulate = functools.partial(ts.accumulate, cfg=cfg, terms_fn=terms)
-    if run.fault is not None:
-        accumulate = run.fault.traced_with(accumulate)
-    update = functools.partial(_update, cfg=cfg)
-    if mesh is None:
-        return jax.jit(accumulate), jax.jit(update)
-    layout = layout_of(cfg, mesh)
-    laid_out = state_shardings(cfg, layout, abstract_params(cfg)[1])
-    params, opt, one = laid_out.params, laid_out.opt_state, laid_out.step
-    rows = layout.micro_batch_sharding(cfg.train.micro_batch_size)
-    accumulate = jax.jit(
-        functools.partial(accumulate, grad_sharding=params),
-        in_shardings=(params, rows),
-        out_shardings=(params, one),
-    )
-    update = jax.jit(
-        update, in_shardings=(params, params, opt, one, one), out_shardings=(params, opt, one)
-    )
-    return accumulate, update
+    wrap = None if run.fault is None else run.fault.traced_with
+    return step_parts(cfg, graphdef, mesh, terms_fn=terms, wrap_accumulate=wrap)
 
 
-def step_parts(run: Run, graphdef, step: int):
-    """(accumulate, update, fault) of trainer step `step` (from 1): the train step's two jitted
-    parts in the config `run.fault` sets at that step, and the fault when it acts there."""
+def parts_at(run: Run, graphdef, step: int) -> tuple[StepParts, InjectedFault | None]:
+    """The train step's two jitted parts at trainer step `step` (from 1), in the config
+    `run.fault` sets there, and the fault when it acts there."""
     fault = run.fault if run.fault is not None and run.fault.acts_at(step) else None
     config = run.config if fault is None else fault.config(run.config)
     traced = fault if fault is not None and fault.in_the_trace else None
-    accumulate, update = _jitted(dataclasses.replace(run, config=config, fault=traced), graphdef)
-    return accumulate, update, fault
+    return _compiled(dataclasses.replace(run, config=config, fault=traced), graphdef), fault
 
 
 def take_step(run: Run, graphdef, state: ts.TrainState, micro_batches):
-    """One whole step as `model.train_step.train_step` composes it (accumulate over the
-    micro-batches, then `model.optim.step`), in two jitted parts so that the gradients before
-    clipping come out and `run.fault` can act between them. Returns (state, metrics as
-    `train_step` reports them, gradients before clipping)."""
+    """One whole step (`model.state.StepParts`), `run.fault` acting where it says. Returns
+    (state, metrics as `model.train_step.train_step` reports them, gradients before clipping)."""
     step = int(state.step) + 1  # the trainer's count: this step's number, from 1
-    accumulate, update, fault = step_parts(run, graphdef, step)
-    grads, terms = accumulate(state.params, micro_batches)
-    if fault is not None:
-        grads = fault.scale_grads(grads, run.config)
-    params, opt_state, metrics = update(
-        state.params, grads, state.opt_state, state.step, terms["ce"]
-    )
-    return ts.TrainState(params, opt_state, state.step + 1), {**terms, **metrics}, grads
+    parts, fault = parts_at(run, graphdef, step)
+    adjust = None if fault is None else (lambda grads: fault.scale_grads(grads, run.config))
+    return parts(state, micro_batches, adjust_grads=adjust)
 
 
 def release_compiled() -> None:
     """Drop every compiled train step (each holds its own LLVM code)."""
-    _jitted.cache_clear()
+    _compiled.cache_clear()
     jax.clear_caches()
 
 

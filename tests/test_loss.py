@@ -10,8 +10,8 @@ import pytest
 
 from goldens.loss import Z_WEIGHT
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, VOCAB_TILING
+from model.layout import Layout, make_mesh
 from model.loss import cross_entropy_sums, lm_head_loss_sums
-from model.sharding import Layout, make_mesh
 from tests.compare import assert_close
 
 

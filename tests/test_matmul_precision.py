@@ -17,7 +17,7 @@ from model.config import MATMUL_PRECISIONS, ScaleConfig, micro, olmo_core
 from model.moe import megablox_matmul, routed_experts
 from model.objective import model_terms_fn
 from model.precision import matmul_precision
-from model.sharding import abstract_params
+from model.state import abstract_params
 
 DOTS = ("dot_general", "ragged_dot_general")
 MOST_MATMULS_OF_THE_STEP = 300

@@ -18,8 +18,8 @@ from goldens.tolerances import LOCAL_LB_VISIBLE, REMAT, SHARDED
 from model import config as c
 from model import train_step as ts
 from model.data import olmo_labels, shift_to_inputs_targets
+from model.layout import make_mesh
 from model.objective import model_terms_fn
-from model.sharding import make_mesh
 from model.transformer import CHECKPOINT_POLICIES, Transformer
 from tests.compare import assert_close
 

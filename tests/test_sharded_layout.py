@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from goldens.tolerances import BITWISE
 from model import config as c
-from model import sharding
+from model.layout import make_mesh
+from model.state import abstract_init, init_train_state, make_model
 from tests.compare import assert_close
 
 
@@ -33,9 +34,9 @@ def _spec_shards(spec: P, mesh) -> int:
 
 def test_params_and_moments_are_made_sharded_each_device_its_share():
     cfg = _two_blocks()
-    mesh = sharding.make_mesh(fsdp=4, expert=2)
-    _, state = sharding.init_train_state(cfg, mesh)
-    made_whole = nnx.state(sharding.make_model(cfg))
+    mesh = make_mesh(fsdp=4, expert=2)
+    _, state = init_train_state(cfg, mesh)
+    made_whole = nnx.state(make_model(cfg))
     assert_close("init", expected=made_whole, actual=state.params, tol=BITWISE)
     mu, nu = state.opt_state.adam[0].mu, state.opt_state.adam[0].nu
     for name, tree in (("params", state.params), ("exp_avg", mu), ("exp_avg_sq", nu)):
@@ -83,7 +84,7 @@ def _hero_spec(path: tuple[str, ...]) -> P:
 def test_the_heros_params_laid_out_abstractly_as_the_rules_say():
     cfg = c.olmo35_tiny()
     live = len(jax.live_arrays())
-    params = sharding.abstract_init(cfg, sharding.make_mesh(fsdp=4, expert=2))
+    params = abstract_init(cfg, make_mesh(fsdp=4, expert=2))
     assert len(jax.live_arrays()) == live
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     assert sum(leaf.size for _, leaf in leaves) == cfg.model.num_params() == 12_496_341_632
@@ -95,4 +96,4 @@ def test_the_heros_params_laid_out_abstractly_as_the_rules_say():
 
 def test_mesh_needs_enough_devices():
     with pytest.raises(ValueError, match="needs 16 devices, 8 exist"):
-        sharding.make_mesh(data=4, fsdp=4)
+        make_mesh(data=4, fsdp=4)

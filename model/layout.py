@@ -1,4 +1,5 @@
-"""Where arrays live on a `jax.sharding.Mesh` with axes ("data", "fsdp", "expert").
+"""Where arrays live on a `jax.sharding.Mesh` with axes ("data", "fsdp", "expert"): the mesh, the
+logical axis names of params and activations, and the shardings they give.
 
 Every param carries logical axis names, its `logical_axes` metadata, set where its module makes it
 (`model.init.linear`, `model.norms.RMSNorm`, ...); large activations get theirs where they are
@@ -7,7 +8,8 @@ made. `ScaleConfig.logical_axis_rules` maps each name to mesh axes, as MaxText's
 
 The model runs under `jax.jit` (GSPMD): rows split over data x fsdp x expert, every weight split
 over fsdp and gathered by XLA where a layer uses it, its gradient reduce-scattered back; routed
-experts split over "expert" and run inside `shard_map` (`model.expert_parallel`).
+experts split over "expert" and run inside `shard_map` (`model.expert_parallel`). `model.state`
+builds the model, its train state and its compiled step on a layout.
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import optim
 from model.config import LOGICAL_AXIS_RULES, MESH_AXES, Config
-from model.train_step import TrainState
-from model.transformer import Transformer
 
 Logical = tuple[str | None, ...]
 """One logical axis name (or None: never split) per dimension."""
@@ -124,52 +123,8 @@ def param_shardings(params: nnx.State, layout: Layout) -> nnx.State:
     )
 
 
-def make_model(cfg: Config) -> Transformer:
-    """`cfg`'s model with its initial weights (`TrainConfig.init_seed`)."""
-    return Transformer(
-        cfg.model,
-        ignore_segment_ids=cfg.flags.olmoe3_mixers_ignore_segment_ids,
-        kda_inverse=cfg.flags.kda_inverse,
-        rngs=nnx.Rngs(cfg.train.init_seed),
-    )
-
-
-def abstract_params(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:
-    """The `Transformer` of `cfg` split into its graph and abstract params (nothing allocated)."""
-    return nnx.split(nnx.eval_shape(lambda: make_model(cfg)))
-
-
-def abstract_init(cfg: Config, mesh: Mesh) -> nnx.State:
-    """The params of `cfg`'s model as `jax.ShapeDtypeStruct`s carrying the `NamedSharding`s their
-    logical axes give on `mesh`; nothing is allocated."""
-    params = abstract_params(cfg)[1]
-    return with_shardings(params, param_shardings(params, layout_of(cfg, mesh)))
-
-
 def with_shardings(tree, shardings):
     """`jax.ShapeDtypeStruct`s of `tree`'s leaves carrying `shardings` (a pytree like it)."""
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
-
-
-def state_shardings(cfg: Config, layout: Layout, params: nnx.State) -> TrainState:
-    """NamedShardings in the structure of a `TrainState` of `params` (arrays or abstract): the
-    Adam moments as the params, the step counts and skip history replicated."""
-    ps = param_shardings(params, layout)
-    opt_state = jax.eval_shape(lambda p: optim.init(p, cfg), params)
-    replicated = NamedSharding(layout.mesh, P())
-    return TrainState(ps, optim.laid_out(opt_state, moments=ps, other=replicated), replicated)
-
-
-def init_train_state(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, TrainState]:
-    """A fresh `TrainState` made sharded: each device computes only its own shards of the params
-    and optimizer state (`jax.jit` with out_shardings), never a whole copy."""
-    graphdef, abstract = abstract_params(cfg)
-    shardings = state_shardings(cfg, layout_of(cfg, mesh), abstract)
-
-    def init():
-        params = nnx.state(make_model(cfg))
-        return TrainState(params, optim.init(params, cfg), jax.numpy.zeros((), jax.numpy.int32))
-
-    return graphdef, jax.jit(init, out_shardings=shardings)()
