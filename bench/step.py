@@ -11,13 +11,7 @@ CPU OLMo-core runs the stand-ins of `goldens.runtime.standins`: KDA is FLA's tok
 `naive_recurrent_kda`, not its chunked triton kernel. Timings need an idle machine: with another
 process on a core, torch's thousands of small ops a step slow down by up to 70x.
 
-Model FLOPs of a step (`model_flops`), tokens = global batch x seq_len, fwd + bwd = 3 x fwd:
-    3 x tokens x (2 N + attention + KDA), per token:
-    N = active params (routed experts top_k of num_experts) less the embedding table (a lookup);
-    attention = 2 T h d_h per attention layer (QK^T and PV over T/2 causal keys on average);
-    KDA = h (3 C K + 2 C V + C^2 / 3 + 6 K V) per KDA layer, chunk C, head dims K, V: the chunk's
-      lower triangles A_kk, A_qk, T(Gamma k), T v, A_qk v' and (I + A)^-1, then the state
-      [K, V] read by w and q and updated once.
+Model FLOPs of a step: `model.flops.step_flops`.
 Peak: a jitted 2048 x 2048 float32 matmul (2 n^3 FLOPs), best of several.
 
 Where the time goes (XLA's per-kernel trace of the step, `--xla_cpu_enable_xprof_traceme`, and
@@ -55,6 +49,7 @@ from model import train_step as ts
 from model.config import Config, micro, olmo_core
 from model.convert import from_olmo_core
 from model.data import OlmoData
+from model.flops import step_flops
 from model.state import compiled_train_step
 
 TRACE_STEP = 1
@@ -86,20 +81,6 @@ def golden_batch(cfg: Config, step: int) -> dict[str, np.ndarray]:
     draws = np.pad(draws, [(0, 0)] * 3 + [(0, T - draws.shape[-1])], constant_values=min_pool)
     batch["pool_draws"] = draws.transpose(0, 2, 1, 3)
     return batch
-
-
-def model_flops(cfg: Config) -> float:
-    """FLOPs of one train step, the formula of the module docstring."""
-    m, train = cfg.model, cfg.train
-    tokens, T = train.global_batch_size * train.seq_len, train.seq_len
-    n = m.num_active_params() - m.vocab_size * m.d_model
-    attention = 2 * T * m.attention.n_heads * m.attention.head_dim
-    C, K, V = m.kda.chunk_size, m.kda.head_dim, m.kda.head_v_dim
-    kda = m.kda.n_heads * (3 * C * K + 2 * C * V + C**2 / 3 + 6 * K * V)
-    per_token = (
-        2 * n + m.layer_types.count("attention") * attention + m.layer_types.count("kda") * kda
-    )
-    return 3 * tokens * per_token
 
 
 def _jax_step_seconds(cfg: Config, batch: dict[str, np.ndarray]) -> tuple[float, float]:
@@ -165,7 +146,7 @@ def run() -> dict[str, float]:
         olmo_core_s = _olmo_core_step_seconds(cfg, batch["inputs"].reshape(-1, cfg.train.seq_len))
     finally:
         torch.set_num_threads(threads)
-    flops_per_s = model_flops(cfg) / jax_s
+    flops_per_s = step_flops(cfg) / jax_s
     return {
         "compile_s": compile_s,
         "jax_step_s": jax_s,

@@ -10,7 +10,7 @@ Adam; remat "full"; 8 vocab tiles; OLMo-core's flags. Tokens are random, with an
 `DOCUMENT` tokens.
 
 Per precision: compile seconds (trace, lower, compile), the best step of `REPEATS`, tokens a
-second, model FLOP/s (`bench.step.model_flops`) over the chip's bfloat16 peak, the compiler's
+second, model FLOP/s (`model.flops.step_flops`) over the chip's bfloat16 peak, the compiler's
 memory plan (arguments, outputs, temporaries, its peak) and the chip's measured peak
 (`memory_stats()["peak_bytes_in_use"]`).
 """
@@ -28,53 +28,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.step import model_flops
 from bench.timing import best_seconds
 from model import config as c
 from model import train_step as ts
+from model.flops import PEAK_FLOPS, step_flops
 from model.precision import matmul_precision
 from model.state import compiled_train_step, make_model
 
 PRECISIONS = ("default", "highest")
-BLOCKS = 4
-ATTENTION_EVERY = 4
-EXPERTS = 64
-SEQ_LEN = 4096
-GA_STEPS = 2
-ROWS = 4
-"""Sequences a micro-batch."""
-VOCAB_TILES = 8
 DOCUMENT = 1024
 """Tokens a document: an EOS closes each."""
 REPEATS = 5
 GIB = 2**30
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12}
-"""bfloat16 matmul peak of one chip, by JAX's device kind (Google Cloud's TPU pages)."""
 
 
 def slice_config(precision: str) -> c.Config:
-    """The module docstring's slice at `precision`."""
-    hero = c.olmo_core(c.olmo35_tiny())
-    model = dataclasses.replace(
-        hero.model,
-        n_layers=BLOCKS,
-        layer_types=c.hybrid_layer_types(BLOCKS, ATTENTION_EVERY),
-        moe=dataclasses.replace(
-            hero.model.moe,
-            num_experts=EXPERTS,
-            emo=dataclasses.replace(hero.model.moe.emo, max_pool=EXPERTS, eval_pool=EXPERTS),
-        ),
-        compute_dtype="bfloat16",
+    """The slice (`model.config.olmo35_slice`) with OLMo-core's flags at `precision`."""
+    cfg = c.olmo_core(c.olmo35_slice())
+    return dataclasses.replace(
+        cfg, scale=dataclasses.replace(cfg.scale, matmul_precision=precision)
     )
-    train = dataclasses.replace(
-        hero.train,
-        seq_len=SEQ_LEN,
-        ga_steps=GA_STEPS,
-        global_batch_size=GA_STEPS * ROWS,
-        vocab_tiles=VOCAB_TILES,
-    )
-    scale = dataclasses.replace(hero.scale, remat_policy="full", matmul_precision=precision)
-    return dataclasses.replace(hero, model=model, train=train, scale=scale)
 
 
 def micro_batches(cfg: c.Config) -> dict[str, jax.Array]:
@@ -118,7 +91,7 @@ def measure(precision: str) -> dict[str, float]:
     step_s = best_seconds(one_step, repeats=REPEATS)
     device = jax.devices()[0]
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
-    flops = model_flops(cfg) / step_s
+    flops = step_flops(cfg) / step_s
     peak = PEAK_FLOPS.get(device.device_kind, float("nan"))
     return {
         "compile_s": compile_s,

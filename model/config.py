@@ -563,6 +563,31 @@ def olmo35_tiny() -> Config:
     return Config(model=model, train=train)
 
 
+def olmo35_slice(n_layers: int = 4) -> Config:
+    """A slice of the hero that one TPU v5e chip trains: its widths (d_model 1024, vocab 100352,
+    KDA 8 heads of 128, attention 8 / 4 heads of 128, routed experts of 1024 in a 512 latent, top
+    16, a shared expert), `n_layers` blocks (block 0 dense; attention every 4th), 64 routed
+    experts (EMO pools of 16 to 64); seq 4096, GA 2 of 4 sequences; bfloat16 activations, float32
+    params and Adam; remat "full"; 8 vocab tiles. `n_layers` 16 is the hero's depth."""
+    hero, experts = olmo35_tiny(), 64
+    model = dataclasses.replace(
+        hero.model,
+        n_layers=n_layers,
+        layer_types=hybrid_layer_types(n_layers, attention_every=4),
+        moe=dataclasses.replace(
+            hero.model.moe,
+            num_experts=experts,
+            emo=dataclasses.replace(hero.model.moe.emo, max_pool=experts, eval_pool=experts),
+        ),
+        compute_dtype="bfloat16",
+    )
+    train = dataclasses.replace(
+        hero.train, seq_len=4096, ga_steps=2, global_batch_size=2 * 4, vocab_tiles=8
+    )
+    scale = dataclasses.replace(hero.scale, remat_policy="full")
+    return dataclasses.replace(hero, model=model, train=train, scale=scale)
+
+
 def micro() -> Config:
     """The hero's structure at CPU size: goldens and a 50-step replay in minutes on 2 cores.
     Byte-level vocab (256 bytes + EOS, padded to 384); seq 256 gives KDA 4 chunks of 64."""

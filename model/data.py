@@ -10,6 +10,9 @@ OLMo-core 3.0.0 counterparts (olmo_core/data/):
   ids that do not fill a last batch are dropped. Data-parallel rank r of W takes entries r::W of a
   batch, and the train module cuts a rank's batch into micro-batches of consecutive rows. A loader
   resumes at batch `tokens_processed // global batch tokens` of its saved state.
+- Each later epoch e (from 1) is shuffled by OLMo-core's loader itself, `np.arange(N, uint32)`
+  shuffled in place by `np.random.Generator(PCG64(seed + e))` (`data/utils.py`), which
+  `olmo_core_order` makes without the loader.
 - `get_labels` (utils.py): labels are the input ids shifted left by one, the last label -100
   (`IGNORE_INDEX`); the loss is normalised by the count of labels that are not -100 over the
   whole batch (`batch_num_tokens_for_loss`).
@@ -26,6 +29,7 @@ instance filters; none is used by the hero.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,16 @@ TOKEN_DTYPES = tuple(np.dtype(f"<u{n}") for n in (1, 2, 4, 8))
 LOOKAHEAD = 0
 """Token appended to each instance to make a row of S + 1: a valid id, never a target."""
 _NPY_MAGIC = b"\x93NUMPY"
+
+
+def olmo_core_order(num_instances: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The global indices OLMo-core's loader writes for `epoch` (from 1) of a dataset of
+    `num_instances` instances: [N] uint32."""
+    if epoch < 1:
+        raise ValueError(f"epoch {epoch}: OLMo-core counts epochs from 1")
+    order = np.arange(num_instances, dtype=INDICES_DTYPE)
+    np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(order)
+    return order
 
 
 class DataError(ValueError):
@@ -133,20 +147,25 @@ class OlmoData:
 
     Args:
       token_paths: the token files, in the order OLMo-core's dataset was given them.
-      global_indices_path: OLMo-core's `global_indices_*.npy` of that dataset and epoch.
+      global_indices_path: OLMo-core's `global_indices_*.npy` of that dataset and epoch; None:
+        epoch 1's order made as OLMo-core's loader makes it from `seed` (`olmo_core_order`).
       seq_len: S, tokens an instance.
       instances_per_batch: I, instances a global batch (OLMo-core's global batch tokens / S).
-      vocab_size: ids the model embeds; sets the token dtype and bounds the ids read.
+      vocab_size: ids the model embeds; bounds the ids read.
+      dtype: the token files' dtype (None: OLMo-core's for `vocab_size`, `token_dtype`).
+      seed: OLMo-core's data seed, when no global-indices file is given.
     """
 
     def __init__(
         self,
         token_paths: Sequence[str | Path],
-        global_indices_path: str | Path,
+        global_indices_path: str | Path | None,
         *,
         seq_len: int,
         instances_per_batch: int,
         vocab_size: int,
+        dtype: np.dtype | str | None = None,
+        seed: int | None = None,
     ):
         if seq_len < 1 or instances_per_batch < 1:
             raise DataError(
@@ -157,19 +176,24 @@ class OlmoData:
         self.instances_per_batch = instances_per_batch
         self.vocab_size = vocab_size
         self._paths = [Path(p) for p in token_paths]
-        dtype = token_dtype(vocab_size)
+        dtype = token_dtype(vocab_size) if dtype is None else np.dtype(dtype)
         self._tokens = [_open_raw(p, dtype, "token file") for p in self._paths]
         # shape: [files + 1], instance ids where each file starts
         self._starts = np.cumsum([0, *(len(t) // seq_len for t in self._tokens)])
         self.num_instances = int(self._starts[-1])
-        path = Path(global_indices_path)
-        self._indices = _open_raw(path, INDICES_DTYPE, "global-indices file")
-        if len(self._indices) != self.num_instances:
-            raise DataError(
-                f"global-indices file {path}: holds {len(self._indices)} uint32 ids, but the "
-                f"token files make {self.num_instances} instances of {seq_len} tokens: "
-                "truncated, written with another dtype, or made for another dataset"
-            )
+        if global_indices_path is None:
+            if seed is None:
+                raise DataError("no global-indices file and no seed to make OLMo-core's order")
+            self._indices = olmo_core_order(self.num_instances, seed=seed, epoch=1)
+        else:
+            path = Path(global_indices_path)
+            self._indices = _open_raw(path, INDICES_DTYPE, "global-indices file")
+            if len(self._indices) != self.num_instances:
+                raise DataError(
+                    f"global-indices file {path}: holds {len(self._indices)} uint32 ids, but the "
+                    f"token files make {self.num_instances} instances of {seq_len} tokens: "
+                    "truncated, written with another dtype, or made for another dataset"
+                )
         self.num_batches = self.num_instances // instances_per_batch
 
     @classmethod
@@ -185,6 +209,12 @@ class OlmoData:
             instances_per_batch=config.train.global_batch_size,
             vocab_size=config.model.vocab_size,
         )
+
+    def reshuffled(self, *, seed: int, epoch: int) -> OlmoData:
+        """The same dataset in OLMo-core's order of `epoch` (`olmo_core_order`)."""
+        other = copy.copy(self)
+        other._indices = olmo_core_order(self.num_instances, seed=seed, epoch=epoch)
+        return other
 
     def instance_ids(self, step: int) -> np.ndarray:
         """Instance ids of global batch `step` (from 0), in OLMo-core's order: [I] int64."""

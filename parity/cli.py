@@ -1,18 +1,20 @@
 """`olmo-parity`: the console script. `olmo-parity replay ...` is `python -m parity.replay ...`,
-`olmo-parity diagnosis ...` is `python -m parity.diagnosis ...`, `olmo-parity own-rerouting ...`
-is `python -m parity.own_rerouting ...`."""
+`olmo-parity diagnosis ...` is `python -m parity.diagnosis ...`, `olmo-parity train ...` is
+`python -m parity.train ...`, `olmo-parity own-rerouting ...` is `python -m parity.own_rerouting
+...`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from parity import own_rerouting, replay
+from parity import own_rerouting, replay, train
 from parity.diagnosis import __main__ as diagnosis
 
 COMMANDS = {
     "replay": (replay, "replay OLMo-core's golden trace step for step and compare every step"),
     "diagnosis": (diagnosis, "the replay with one MaxText behaviour at a time: docs/diagnosis.md"),
+    "train": (train, "train the model for N steps: Orbax checkpoints, bit-exact resume"),
     "own-rerouting": (
         own_rerouting,
         "how often OLMo-core reroutes a token slot against its one-ulp twin, each step",

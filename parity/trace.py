@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -73,11 +74,27 @@ class GoldenTrace:
         batch = self.data.micro_batches(
             step - 1, ga_steps=train.ga_steps, segment_ids_from_eos=flags.olmo_segment_ids_from_eos
         )
-        draws = self.metrics["pool_draws"][step - 1].astype(np.int32)  # [GA, L, b, documents]
-        pad = train.seq_len - draws.shape[-1]  # columns past the last document are never read
-        draws = np.pad(draws, [(0, 0)] * 3 + [(0, pad)], mode="edge")
-        batch["pool_draws"] = draws.transpose(0, 2, 1, 3)
+        batch["pool_draws"] = self.pool_draws(step)
         return batch
+
+    def pool_draws(self, step: int) -> np.ndarray:
+        """OLMo-core's EMO draws of `step` (from 1): [GA, b, MoE layers, T] int32."""
+        if not 1 <= step <= self.steps:
+            raise ValueError(f"the trace has steps 1..{self.steps}, not {step}")
+        draws = self.metrics["pool_draws"][step - 1].astype(np.int32)  # [GA, L, b, documents]
+        pad = self.config.train.seq_len - draws.shape[-1]  # columns past the last document
+        draws = np.pad(draws, [(0, 0)] * 3 + [(0, pad)], mode="edge")  # are never read
+        return draws.transpose(0, 2, 1, 3)
+
+
+def bundled_data() -> tuple[list[Path], Path]:
+    """The bundled corpus OLMo-core's trace trained on: its token files (uint16, the micro
+    config's byte-level vocab) and the global-indices file of its first epoch at seq 256, each
+    checked against the manifest."""
+    order = load_golden("data/order.safetensors").entry["config"]
+    for path in [*order["token_files"], order["global_indices_file"]]:
+        load_golden(path)
+    return [resolve(p) for p in order["token_files"]], resolve(order["global_indices_file"])
 
 
 @functools.cache
@@ -85,10 +102,8 @@ def load_trace() -> GoldenTrace:
     """The bundled golden trace and its data, checked against the manifest."""
     golden = load_golden("trace/metrics.safetensors")
     perturbed = load_golden("trace/perturbed.safetensors")
-    order = load_golden("data/order.safetensors").entry["config"]
-    for path in [*order["token_files"], order["global_indices_file"]]:
-        load_golden(path)
-    config = olmo_core(micro(), global_indices_path=str(resolve(order["global_indices_file"])))
+    token_files, indices = bundled_data()
+    config = olmo_core(micro(), global_indices_path=str(indices))
     made_for = golden.entry["config"]["config"]
     for part in ("model", "train"):
         if made_for[part] != config.as_dict()[part]:
@@ -96,7 +111,7 @@ def load_trace() -> GoldenTrace:
                 f"goldens/trace/metrics.safetensors was made for another {part} config than "
                 "model.config.micro(); regenerate it with `tox -e goldens -- trace`"
             )
-    data = OlmoData.from_config(config, [resolve(p) for p in order["token_files"]])
+    data = OlmoData.from_config(config, token_files)
     saved = read_manifest()["files"]
     steps = range(golden.entry["config"]["steps"] + 1)
     return GoldenTrace(

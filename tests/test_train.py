@@ -1,0 +1,246 @@
+"""The trainer (`parity.train`) on the micro config: it trains as free-running replays (the same
+step, bit for bit), resumes bit for bit on one device and on an 8-device mesh, restores a
+checkpoint saved on one mesh onto another, and names every bad input before it writes anything.
+
+One straight run a mesh saves after each of its steps; resuming from its step-1 checkpoint gives
+"k steps, a restart, N - k steps" without a second straight run. The compiled steps are the ones
+the replay tests compile (the same config and meshes), so this file adds little compile time."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from goldens.tolerances import BITWISE
+from model.layout import make_mesh
+from model.state import init_train_state
+from parity import checkpoint
+from parity.faults import InjectedFault
+from parity.run import MeshShape, Run, free_running
+from parity.trace import bundled_data, load_trace
+from parity.train import Checkpointing, Plan, TrainingError, main, save_checkpoint, train
+from parity.train_data import DataFiles
+from tests.compare import assert_close
+
+STEPS = 3
+MESH = MeshShape(fsdp=4, expert=2)
+"""Lockstep's gate mesh: its compiled step is shared."""
+
+
+def _data() -> DataFiles:
+    tokens, indices = bundled_data()
+    return DataFiles(tuple(tokens), indices, "uint16")
+
+
+ONE = MeshShape()
+
+
+def _plan(tmp, *, mesh=ONE, steps=STEPS, **kw) -> Plan:
+    return Plan(
+        config=load_trace().config,
+        steps=steps,
+        data=_data(),
+        mesh=mesh,
+        init="trace",
+        checkpoints=Checkpointing(tmp / "checkpoints", save_every=1, keep=STEPS),
+        out=tmp / "out",
+        **kw,
+    )
+
+
+def _resumed_from(straight_plan: Plan, tmp, step: int) -> Plan:
+    """A plan resuming from `straight_plan`'s checkpoint of `step` (copied: the straight run's
+    folder is left as it is)."""
+    shutil.copytree(
+        straight_plan.checkpoints.directory / f"step_{step:08d}",
+        tmp / "checkpoints" / f"step_{step:08d}",
+    )
+    return dataclasses.replace(
+        straight_plan,
+        checkpoints=dataclasses.replace(
+            straight_plan.checkpoints, directory=tmp / "checkpoints", resume=True
+        ),
+        out=tmp / "out",
+    )
+
+
+def _leaves(state) -> dict[str, np.ndarray]:
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    plan = _plan(tmp_path_factory.mktemp("one_device"))
+    state, rows = train(plan, log=lambda _: None)
+    return plan, state, rows
+
+
+@pytest.fixture(scope="module")
+def on_mesh(tmp_path_factory):
+    plan = _plan(tmp_path_factory.mktemp("mesh"), mesh=MESH)
+    state, rows = train(plan, log=lambda _: None)
+    return plan, state, rows
+
+
+@pytest.fixture(scope="module")
+def free_running_rows():
+    trace = load_trace()
+    return free_running(trace, Run(trace.config), steps=STEPS, on_step=lambda *_: None)[0]
+
+
+def _differing_steps(rows: list[dict], expected: list[dict]) -> list[int]:
+    """The steps at which any of free-running's metrics differs from the trainer's, by a bit."""
+    return [
+        row["step"]
+        for row, want in zip(rows, expected, strict=True)
+        if {k: row[k] for k in want} != want
+    ]
+
+
+def test_trains_as_free_running(one_device, free_running_rows):
+    """The micro config from the trace's step-0 weights on its data: every metric of every step
+    is free-running's, bit for bit (one step, one code path)."""
+    _, _, rows = one_device
+    assert [row["draws"] for row in rows] == ["olmo-core"] * STEPS
+    assert _differing_steps(rows, free_running_rows) == []
+
+
+def test_a_one_percent_gradient_is_seen(one_device, free_running_rows):
+    """Power: one weight's gradient 1% high at step 2 is seen from step 2 (the fault acts between
+    the step's two parts, so nothing recompiles)."""
+    plan, _, _ = one_device
+    fault = InjectedFault(first=2, last=2, grad_scale=("lm_head.w_out.weight", 1.01))
+    faulty = dataclasses.replace(plan, checkpoints=None, out=None, fault=fault)
+    _, rows = train(faulty, log=lambda _: None)
+    assert _differing_steps(rows, free_running_rows)[0] == 2
+
+
+@pytest.mark.parametrize("fixture", ["one_device", "on_mesh"])
+def test_resume_is_bit_exact(fixture, tmp_path, request):
+    """Steps 1..N straight equal step 1, a restart from its checkpoint and steps 2..N: every
+    param, moment, count and the skip history bit for bit; the metrics file holds each step
+    once."""
+    plan, straight, rows = request.getfixturevalue(fixture)
+    resumed_plan = _resumed_from(plan, tmp_path, 1)
+    (tmp_path / "out").mkdir()
+    shutil.copy(plan.out / "metrics.jsonl", tmp_path / "out" / "metrics.jsonl")
+    resumed, resumed_rows = train(resumed_plan, log=lambda _: None)
+    assert_close("resumed state", expected=_leaves(straight), actual=_leaves(resumed), tol=BITWISE)
+    assert [r["ce"] for r in resumed_rows] == [r["ce"] for r in rows[1:]]
+    written = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [r["step"] for r in written] == list(range(1, STEPS + 1))
+    assert checkpoint.steps(tmp_path / "checkpoints") == [1, 2, 3]
+
+
+def test_restored_onto_another_mesh(tmp_path, on_mesh):
+    """A fresh state saved on data=8, resumed on fsdp=4,expert=2: its first step there is the
+    step the same fresh state takes on that mesh, bit for bit, and its arrays lie as that mesh
+    lays them out."""
+    plan, _, _ = on_mesh
+    cfg = plan.config
+    _, fresh = init_train_state(cfg, make_mesh(data=8))
+    saving = dataclasses.replace(plan, mesh=MeshShape(data=8), init="random")
+    saving = _with_dir(saving, tmp_path / "saved", resume=False)
+    save_checkpoint(saving, 0, fresh, jax.random.key(saving.seed))
+    resumed = dataclasses.replace(_with_dir(plan, tmp_path / "saved", resume=True), steps=1)
+    resumed = dataclasses.replace(resumed, out=None)
+    state, rows = train(resumed, log=lambda _: None)
+    direct = dataclasses.replace(plan, init="random", steps=1, checkpoints=None, out=None)
+    expected, expected_rows = train(direct, log=lambda _: None)
+    assert_close(
+        "restored on another mesh", expected=_leaves(expected), actual=_leaves(state), tol=BITWISE
+    )
+    assert rows[0]["ce"] == expected_rows[0]["ce"]
+    shardings = jax.tree.map(lambda x: x.sharding, expected)
+    assert jax.tree.map(lambda x: x.sharding, state) == shardings
+
+
+def _with_dir(plan: Plan, directory, *, resume: bool) -> Plan:
+    return dataclasses.replace(plan, checkpoints=Checkpointing(directory, 1, STEPS, resume))
+
+
+def _snapshot(directory) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def test_checkpoint_errors(tmp_path, one_device):
+    """Each named, and the checkpoints left byte for byte as they were."""
+    plan, _, _ = one_device
+    folder = plan.checkpoints.directory
+    before = _snapshot(folder)
+    with pytest.raises(checkpoint.CheckpointError, match="pass --resume"):
+        train(dataclasses.replace(plan, steps=STEPS + 1), log=lambda _: None)
+    other = dataclasses.replace(
+        plan,
+        config=dataclasses.replace(
+            plan.config, train=dataclasses.replace(plan.config.train, lr=2e-3)
+        ),
+        checkpoints=dataclasses.replace(plan.checkpoints, resume=True),
+        steps=STEPS + 1,
+    )
+    with pytest.raises(checkpoint.CheckpointError, match=r"train\.lr: saved 0\.001"):
+        train(other, log=lambda _: None)
+    assert _snapshot(folder) == before
+    empty = _with_dir(plan, tmp_path / "none", resume=True)
+    with pytest.raises(checkpoint.CheckpointError, match="holds no complete checkpoint"):
+        train(empty, log=lambda _: None)
+
+
+def test_truncated_shard_is_named(tmp_path, one_device):
+    plan, _, _ = one_device
+    resumed = _resumed_from(plan, tmp_path, STEPS)
+    resumed = dataclasses.replace(resumed, steps=STEPS + 1)
+    arrays = sorted(
+        (p for p in (tmp_path / "checkpoints").rglob("*") if p.is_file() and "arrays" in p.parts),
+        key=lambda p: -p.stat().st_size,
+    )
+    arrays[0].write_bytes(arrays[0].read_bytes()[: arrays[0].stat().st_size // 2])
+    with pytest.raises(checkpoint.CheckpointError, match=f"{arrays[0].name}.*truncated"):
+        train(resumed, log=lambda _: None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mesh", "expert=3"], "16 routed experts do not split over expert=3"),
+        (["--config", "hero"], "only compiled ahead of time"),
+        (["--init", "trace", "--config", "slice"], "the micro config's"),
+        (["--save-every", "2"], "need --checkpoint-dir"),
+        (["--synthetic", "--token-dtype", "uint16"], "--synthetic takes no"),
+    ],
+)
+def test_bad_arguments_are_named(argv, message, capsys, tmp_path):
+    assert main(["--steps", "2", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_mesh_of_more_devices_than_there_are():
+    with pytest.raises(SystemExit, match="a mesh of 16 devices: JAX has 8 cpu devices"):
+        main(["--steps", "1", "--mesh", "data=16"])
+
+
+def test_data_that_does_not_match_its_indices(capsys, tmp_path):
+    """One of the corpus's five token files against the global indices of all five."""
+    tokens, indices = bundled_data()
+    argv = ["--steps", "1", "--tokens", str(tokens[0]), "--global-indices", str(indices)]
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(indices) in err and "instances" in err
+
+
+def test_nonfinite_steps_stop_the_run(one_device):
+    """A NaN gradient from step 2 on: the grad norm is NaN at step 2 and, the update applied
+    (the skip rule has too little history yet, as OLMo-core's), the loss from step 3; the run
+    stops after --max-nonfinite such steps, naming step 2."""
+    plan, _, _ = one_device
+    name = "blocks.1.feed_forward_norm.weight"
+    fault = InjectedFault(first=2, grad_scale=(name, float("nan")))
+    broken = dataclasses.replace(plan, checkpoints=None, out=None, fault=fault, steps=6)
+    with pytest.raises(TrainingError, match="from step 2"):
+        train(broken, log=lambda _: None)
