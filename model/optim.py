@@ -104,7 +104,7 @@ def _direction(cfg: Config, params) -> optax.GradientTransformation:
 def init(params, cfg: Config) -> OptState:
     window = cfg.train.skip_step_window + 1
     history = jnp.zeros(window, full_precision(jnp.result_type(*jax.tree.leaves(params))))
-    skip = SkipState(history, history, jnp.zeros((), jnp.int32))
+    skip = SkipState(history, jnp.zeros_like(history), jnp.zeros((), jnp.int32))
     return OptState(_direction(cfg, params).init(params), skip)
 
 

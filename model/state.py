@@ -3,10 +3,10 @@ mesh (`model.layout`), and the compiled train step.
 
 Two compiled forms of `model.train_step`:
 - `StepParts`: accumulate, then the optimizer, each jitted, so that the gradients before clipping
-  come out between them. The replay (`parity.run`), lockstep and the trainer (`parity.train`) all
-  take their steps through it.
-- `jit_train_step`: the whole step in one program (the state donated if asked), for measuring a
-  step's speed and memory (`bench`).
+  come out between them: what lockstep and the teacher-forced replay take, and a step where a
+  test's fault acts.
+- `jit_train_step`: the whole step in one program, the state's buffers donated if asked: what
+  free-running and the trainer take, and what `bench` measures.
 
 On a mesh the params, gradients and Adam moments are laid out by their logical axes, the step
 counts and the skip rule's history replicated, and the micro-batches' rows split over the batch
@@ -164,16 +164,24 @@ def jit_train_step(
     )
 
 
-def compiled_train_step(cfg: Config, graphdef: nnx.GraphDef, mesh: Mesh | None = None, **kw):
-    """`jit_train_step` of `cfg`'s model on `mesh` (None: one device), laid out by its logical
-    axes; keywords as `jit_train_step`."""
+def compiled_train_step(
+    cfg: Config,
+    graphdef: nnx.GraphDef,
+    mesh: Mesh | None = None,
+    *,
+    terms_fn: ts.TermsFn | None = None,
+    donate: bool = False,
+):
+    """`jit_train_step` of `cfg`'s model (`graphdef`) on `mesh` (None: one device), laid out by
+    its logical axes; `terms_fn` replaces the model's terms, `donate` as `jit_train_step`."""
+    terms = model_terms_fn(graphdef, cfg, mesh=mesh) if terms_fn is None else terms_fn
     if mesh is None:
-        return jit_train_step(cfg, model_terms_fn(graphdef, cfg), **kw)
+        return jit_train_step(cfg, terms, donate=donate)
     layout = layout_of(cfg, mesh)
     return jit_train_step(
         cfg,
-        model_terms_fn(graphdef, cfg, mesh=mesh),
+        terms,
         shardings=state_shardings(cfg, layout, abstract_params(cfg)[1]),
         rows=layout.micro_batch_sharding(cfg.train.micro_batch_size),
-        **kw,
+        donate=donate,
     )

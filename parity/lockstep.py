@@ -44,24 +44,9 @@ from goldens.train_state import (
 from model import optim
 from model import train_step as ts
 from model.convert import from_olmo_core, like_params, model_entries, params_to_olmo_core
+from parity.olmo_core_state import Tensors, TrainingState, train_state
 from parity.run import Metrics, Run, parts_at, take_step
 from parity.trace import GoldenTrace
-
-Tensors = dict[str, np.ndarray]
-"""OLMo-core parameter name (as `OLMoDDPModel.state_dict()`) -> array in OLMo-core's layout."""
-
-
-@dataclass(frozen=True)
-class TrainingState:
-    """One side's state between steps: params, Adam's moments and update count, and the skip
-    rule's history (oldest first)."""
-
-    params: Tensors
-    exp_avg: Tensors
-    exp_avg_sq: Tensors
-    count: int
-    losses: list[float]
-    grad_norms: list[float]
 
 
 @dataclass(frozen=True)
@@ -258,27 +243,15 @@ def jax_step(trace: GoldenTrace, run: Run, model, olmo_core: OlmoCoreStep) -> St
     alone on OLMo-core's gradients (so an update is compared without the gradients' rounding,
     which Adam scales up where a gradient is near its eps). `model`: (graphdef, a state) of the
     run's model, whose values are not read."""
-    cfg, step, before = run.config, olmo_core.step, olmo_core.before
+    cfg, step = run.config, olmo_core.step
     graphdef, template = model
-    entries = model_entries(cfg.model)
-    load = lambda tensors: like_params(tensors, template, entries)  # noqa: E731
-    params = load(before.params)
-    opt_state = optim.resume(
-        params,
-        cfg,
-        mu=load(before.exp_avg),
-        nu=load(before.exp_avg_sq),
-        count=before.count,
-        losses=before.losses,
-        grad_norms=before.grad_norms,
-    )
-    state = ts.TrainState(params, opt_state, jnp.asarray(step - 1, jnp.int32))
+    state = train_state(olmo_core.before, template, cfg, step - 1)
     batch = jax.tree.map(jnp.asarray, _micro_batches(trace, run, olmo_core))
     after, metrics, grads = take_step(run, graphdef, state, batch)
     update = parts_at(run, graphdef, step)[0].update
-    golden_grads = load(olmo_core.result.grads)
+    golden_grads = like_params(olmo_core.result.grads, template, model_entries(cfg.model))
     ce = jnp.asarray(olmo_core.result.metrics["ce"], jnp.float32)
-    alone, alone_opt, _ = update(params, golden_grads, opt_state, state.step, ce)
+    alone, alone_opt, _ = update(state.params, golden_grads, state.opt_state, state.step, ce)
     alone = ts.TrainState(alone, alone_opt, state.step + 1)
     metrics = {k: np.asarray(v).tolist() for k, v in metrics.items()}
     return StepResult(_ours(grads, cfg), _state(after, cfg), metrics, _state(alone, cfg))

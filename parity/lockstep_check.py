@@ -42,7 +42,8 @@ from goldens.tolerances import (
 )
 from model.train_step import AUX_TERMS, METRICS
 from parity.compare import block_of, checked, compare_step, divergence
-from parity.lockstep import OlmoCoreStep, StepResult, Tensors
+from parity.lockstep import OlmoCoreStep, StepResult
+from parity.olmo_core_state import Tensors
 from parity.records import (
     LockstepDivergence,
     LockstepRecord,

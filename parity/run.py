@@ -25,7 +25,7 @@ from model.config import Config
 from model.convert import from_olmo_core, to_olmo_core
 from model.layout import make_mesh
 from model.objective import model_terms_fn
-from model.state import StepParts, step_parts
+from model.state import StepParts, compiled_train_step, step_parts
 from parity.faults import InjectedFault
 from parity.trace import GoldenTrace
 
@@ -113,17 +113,28 @@ def _metrics(out: dict[str, jax.Array]) -> Metrics:
     return {k: np.asarray(v).tolist() for k, v in out.items()}
 
 
+def _mesh_and_terms(run: Run, graphdef):
+    """`run`'s mesh (None: one device) and its model's terms function."""
+    mesh = make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
+    terms = model_terms_fn(graphdef, run.config, mesh=mesh)
+    return mesh, terms if run.wrap_terms is None else run.wrap_terms(terms)
+
+
 @functools.cache
 def _compiled(run: Run, graphdef) -> StepParts:
     """The train step's two jitted parts for `run` (its fault only where it is `in_the_trace`),
     on its mesh (`model.state.step_parts`)."""
-    cfg = run.config
-    mesh = make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
-    terms = model_terms_fn(graphdef, cfg, mesh=mesh)
-    if run.wrap_terms is not None:
-        terms = run.wrap_terms(terms)
+    mesh, terms = _mesh_and_terms(run, graphdef)
     wrap = None if run.fault is None else run.fault.traced_with
-    return step_parts(cfg, graphdef, mesh, terms_fn=terms, wrap_accumulate=wrap)
+    return step_parts(run.config, graphdef, mesh, terms_fn=terms, wrap_accumulate=wrap)
+
+
+@functools.cache
+def _whole(run: Run, graphdef):
+    """The whole train step for `run` in one program on its mesh, taking over the state's
+    buffers (`model.state.compiled_train_step`)."""
+    mesh, terms = _mesh_and_terms(run, graphdef)
+    return compiled_train_step(run.config, graphdef, mesh, terms_fn=terms, donate=True)
 
 
 def parts_at(run: Run, graphdef, step: int) -> tuple[StepParts, InjectedFault | None]:
@@ -144,9 +155,19 @@ def take_step(run: Run, graphdef, state: ts.TrainState, micro_batches):
     return parts(state, micro_batches, adjust_grads=adjust)
 
 
+def train_step(run: Run, graphdef, state: ts.TrainState, micro_batches):
+    """One step as free-running and the trainer (`parity.train`) take it: the whole step in one
+    program that takes over `state`'s buffers, or, at a step where `run.fault` acts,
+    `take_step`'s two parts. Returns (state, metrics)."""
+    if run.fault is not None and run.fault.acts_at(int(state.step) + 1):
+        return take_step(run, graphdef, state, micro_batches)[:2]
+    return _whole(dataclasses.replace(run, fault=None), graphdef)(state, micro_batches)
+
+
 def release_compiled() -> None:
     """Drop every compiled train step (each holds its own LLVM code)."""
     _compiled.cache_clear()
+    _whole.cache_clear()
     jax.clear_caches()
 
 
@@ -171,7 +192,7 @@ def free_running(
     state = ts.init_state(params, run.config)
     rows, saved = [], {}
     for step in range(1, steps + 1):
-        state, out, _ = take_step(run, graphdef, state, micro_batches(trace, run, step))
+        state, out = train_step(run, graphdef, state, micro_batches(trace, run, step))
         rows.append(_metrics(out))
         if step in trace.snapshot_steps:
             saved[step] = to_olmo_core(nnx.merge(graphdef, state.params))

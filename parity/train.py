@@ -1,11 +1,12 @@
 """`python -m parity.train` (`olmo-parity train`): train the model for N steps on OLMo-core's token
 files, on one device or a mesh, on this CPU or a TPU; Orbax checkpoints and a bit-exact resume.
 
-The step is the one every replay takes (`parity.run.take_step`, built by `model.state`): the micro
-config trained from the trace's step-0 weights on the trace's data gives free-running's numbers bit
-for bit. Data and EMO draws: `parity.train_data`. Each step prints a line (step, CE, LB loss, grad
-norm, tokens/s, and on a TPU the fraction of the chips' bfloat16 peak) and appends every metric to
-`<out>/metrics.jsonl`; `<out>/curves.png` plots them at the end.
+The step is free-running's (`parity.run.train_step`, compiled by `model.state`, the state's
+buffers donated): the micro config trained from the trace's step-0 weights on the trace's data
+gives free-running's numbers bit for bit. Data and EMO draws: `parity.train_data`. Each step
+prints a line (step, CE, LB loss, grad norm, tokens/s, and on a TPU the fraction of the chips'
+bfloat16 peak) and appends every metric to `<out>/metrics.jsonl`; `<out>/curves.png` plots them
+at the end.
 
 Checkpoints (`parity.checkpoint`, orbax-checkpoint): the params, Adam's moments and count, the
 skip rule's history and the step (the `TrainState`), the run's key, and as JSON the config, the
@@ -50,7 +51,8 @@ from model.layout import make_mesh
 from model.state import abstract_params, abstract_state, init_train_state, make_model
 from parity import checkpoint
 from parity.faults import InjectedFault
-from parity.run import PLATFORMS, MeshShape, Metrics, Run, take_step, use_platform
+from parity.olmo_core_state import export_params, load_training_state, train_state
+from parity.run import PLATFORMS, MeshShape, Metrics, Run, train_step, use_platform
 from parity.trace import bundled_data, load_trace
 from parity.train_data import DataFiles, TrainData
 
@@ -133,7 +135,7 @@ class Plan:
         return {**config, "data": data, "seed": self.seed}
 
 
-def _mesh(plan: Plan):
+def plan_mesh(plan: Plan):
     """The plan's mesh (None: one device), checked against the config."""
     experts, expert = plan.config.model.moe.num_experts, plan.mesh.expert
     if experts % expert:
@@ -148,15 +150,13 @@ def _placed(state: ts.TrainState, plan: Plan, mesh) -> ts.TrainState:
     return jax.device_put(state, jax.tree.map(lambda t: t.sharding, target))
 
 
-def _initial_state(plan: Plan, mesh) -> ts.TrainState:
+def initial_state(plan: Plan, mesh) -> ts.TrainState:
+    """The plan's starting point laid out on `mesh` (None: one device)."""
     cfg = plan.config
     if plan.init_state is not None:
-        from parity.olmo_core_state import train_state, training_state
-
-        tensors = safetensors.numpy.load_file(plan.init_state)
         template = abstract_params(cfg)[1]
-        state = train_state(training_state(tensors, cfg.model), template, cfg, plan.init_step)
-        return _placed(state, plan, mesh)
+        before = load_training_state(plan.init_state, cfg.model)
+        return _placed(train_state(before, template, cfg, plan.init_step), plan, mesh)
     if plan.init == "random":
         if mesh is not None:
             return init_train_state(cfg, mesh)[1]
@@ -172,7 +172,9 @@ def _read_params(path: Path) -> dict[str, np.ndarray]:
     return safetensors.numpy.load_file(path)
 
 
-def _restore(plan: Plan, mesh, step: int) -> tuple[ts.TrainState, jax.Array, dict]:
+def restore_checkpoint(plan: Plan, mesh, step: int) -> tuple[ts.TrainState, jax.Array, dict]:
+    """The plan's checkpoint of `step` laid out on `mesh` (None: one device): (state, the run's
+    key, its meta), after `parity.checkpoint.restore`'s checks."""
     target = {
         "state": abstract_state(plan.config, mesh),
         "key": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=_replicated(mesh)),
@@ -220,9 +222,9 @@ def _start(plan: Plan, mesh) -> tuple[ts.TrainState, jax.Array, int]:
                 raise checkpoint.CheckpointError(
                     f"--resume: {cp.directory} holds no complete checkpoint"
                 )
-            state, key, meta = _restore(plan, mesh, saved[-1])
+            state, key, meta = restore_checkpoint(plan, mesh, saved[-1])
             return state, key, meta["step"]
-    state = _initial_state(plan, mesh)
+    state = initial_state(plan, mesh)
     return state, jax.random.key(plan.seed), int(state.step)
 
 
@@ -309,7 +311,7 @@ def plot_curves(out: Path) -> Path:
 
 def train(plan: Plan, *, log: Callable[[str], None] = print) -> tuple[ts.TrainState, list[dict]]:
     """Run `plan`. Returns the final state and the rows of the steps this call took."""
-    cfg, mesh = plan.config, _mesh(plan)
+    cfg, mesh = plan.config, plan_mesh(plan)
     graphdef = abstract_params(cfg)[0]
     state, key, done = _start(plan, mesh)
     if done >= plan.steps:
@@ -323,7 +325,7 @@ def train(plan: Plan, *, log: Callable[[str], None] = print) -> tuple[ts.TrainSt
         for step in range(done + 1, plan.steps + 1):
             batch = jax.tree.map(jnp.asarray, data.batch(step))
             start = time.perf_counter()
-            state, out, _ = take_step(plan.run, graphdef, state, batch)
+            state, out = train_step(plan.run, graphdef, state, batch)
             metrics = {k: np.asarray(v).tolist() for k, v in out.items()}
             row = _row(step, data, metrics, time.perf_counter() - start, plan)
             rows.append(row)
@@ -346,8 +348,6 @@ def train(plan: Plan, *, log: Callable[[str], None] = print) -> tuple[ts.TrainSt
     if plan.out is not None:
         log(f"wrote {plan.out / METRICS_FILE} and {plot_curves(plan.out)}")
     if plan.export is not None:
-        from parity.olmo_core_state import export_params
-
         export_params(state.params, cfg.model, plan.export)
         log(f"wrote OLMo-core's params to {plan.export}")
     return state, rows

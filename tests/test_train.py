@@ -13,15 +13,26 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
+from goldens.store import resolve
 from goldens.tolerances import BITWISE
-from model.layout import make_mesh
-from model.state import init_train_state
 from parity import checkpoint
 from parity.faults import InjectedFault
+from parity.lockstep_check import bounds
 from parity.run import MeshShape, Run, free_running
-from parity.trace import bundled_data, load_trace
-from parity.train import Checkpointing, Plan, TrainingError, main, save_checkpoint, train
+from parity.trace import STATE, bundled_data, load_trace
+from parity.train import (
+    Checkpointing,
+    Plan,
+    TrainingError,
+    initial_state,
+    main,
+    plan_mesh,
+    restore_checkpoint,
+    save_checkpoint,
+    train,
+)
 from parity.train_data import DataFiles
 from tests.compare import assert_close
 
@@ -137,26 +148,41 @@ def test_resume_is_bit_exact(fixture, tmp_path, request):
 
 
 def test_restored_onto_another_mesh(tmp_path, on_mesh):
-    """A fresh state saved on data=8, resumed on fsdp=4,expert=2: its first step there is the
-    step the same fresh state takes on that mesh, bit for bit, and its arrays lie as that mesh
-    lays them out."""
+    """The trace's step-0 state saved on data=8 and resumed on fsdp=4,expert=2: its step 1 there
+    is the straight run's step 1 on that mesh, bit for bit, laid out as that mesh lays it out."""
     plan, _, _ = on_mesh
-    cfg = plan.config
-    _, fresh = init_train_state(cfg, make_mesh(data=8))
-    saving = dataclasses.replace(plan, mesh=MeshShape(data=8), init="random")
-    saving = _with_dir(saving, tmp_path / "saved", resume=False)
-    save_checkpoint(saving, 0, fresh, jax.random.key(saving.seed))
-    resumed = dataclasses.replace(_with_dir(plan, tmp_path / "saved", resume=True), steps=1)
-    resumed = dataclasses.replace(resumed, out=None)
-    state, rows = train(resumed, log=lambda _: None)
-    direct = dataclasses.replace(plan, init="random", steps=1, checkpoints=None, out=None)
-    expected, expected_rows = train(direct, log=lambda _: None)
-    assert_close(
-        "restored on another mesh", expected=_leaves(expected), actual=_leaves(state), tol=BITWISE
-    )
-    assert rows[0]["ce"] == expected_rows[0]["ce"]
+    saving = _with_dir(dataclasses.replace(plan, mesh=MeshShape(data=8)), tmp_path, resume=False)
+    state0 = initial_state(saving, plan_mesh(saving))
+    assert not any(axis for x in jax.tree.leaves(state0.params) for axis in x.sharding.spec)
+    save_checkpoint(saving, 0, state0, jax.random.key(saving.seed))
+    resumed = dataclasses.replace(_with_dir(plan, tmp_path, resume=True), steps=1, out=None)
+    state, _ = train(resumed, log=lambda _: None)
+    expected, _, _ = restore_checkpoint(plan, plan_mesh(plan), 1)
+    assert_close("restored", expected=_leaves(expected), actual=_leaves(state), tol=BITWISE)
     shardings = jax.tree.map(lambda x: x.sharding, expected)
     assert jax.tree.map(lambda x: x.sharding, state) == shardings
+
+
+def test_from_olmo_core_state_and_back(tmp_path, one_device):
+    """From OLMo-core's training state after step 49 (the trace's): step 50's CE is OLMo-core's
+    within lockstep's bound; the params come out under OLMo-core's names and shapes."""
+    plan, _, _ = one_device
+    trace = load_trace()
+    start = dataclasses.replace(
+        plan,
+        steps=50,
+        init_state=resolve(STATE.format(49)),
+        init_step=49,
+        checkpoints=None,
+        out=None,
+        export=tmp_path / "params.safetensors",
+    )
+    _, rows = train(start, log=lambda _: None)
+    ce = trace.metrics["ce"][49]
+    assert abs(rows[0]["ce"] - ce) <= bounds(50, []).metric * abs(ce)
+    exported = safetensors.numpy.load_file(tmp_path / "params.safetensors")
+    step50 = trace.params(50)
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in step50.items()}
 
 
 def _with_dir(plan: Plan, directory, *, resume: bool) -> Plan:
