@@ -6,14 +6,19 @@ straight run's.
 
 Data: the bundled corpus's tokens (`parity.trace.bundled_data`) at the slice's 4096 tokens a
 sequence: 150 instances, 18 global batches of 8 an epoch, so 100 steps are 5.6 epochs, each
-shuffled as OLMo-core's loader shuffles it. Each child holds the chip in turn; this process
-compares on the CPU. Figures: the straight run's first step (compile included), its median step,
-tokens/s and fraction of the chip's bf16 peak, the CE at steps 1, 50 and 100, the resumed
-process's first step, and whether the two runs agree bit for bit.
+shuffled as OLMo-core's loader shuffles it. Each child holds the chip in turn; this process reads
+the checkpoints on the CPU. A slice's checkpoint is 6.4 GB, so each step-100 checkpoint is
+reduced to a sha256 per array and removed before the next run writes its own.
+
+`python -m bench.tpu_train straight|resumed WORK [STEPS SAVE]` runs one half (the chip's calls
+are limited in time): `straight` leaves the checkpoint of SAVE under WORK/resumed/ and the
+straight run's digests and metrics, `resumed` finishes and writes WORK/tpu-train.json with the
+figures `run` returns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,54 +32,43 @@ import jax
 import numpy as np
 
 STEPS, SAVE = 100, 50
+TIMINGS = ("seconds", "tokens_per_s", "fraction_of_peak")
 
 
-def _train(directory: Path, out: Path, *extra: str, env: dict) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "parity.train",
-        "--config",
-        "slice",
-        "--platform",
-        "tpu",
-        "--steps",
-        str(STEPS),
-        "--checkpoint-dir",
-        str(directory),
-        "--save-every",
-        str(SAVE),
-        "--out",
-        str(out),
-        *extra,
-    ]
+def _train(work: Path, name: str, steps: int, save: int, *extra: str) -> list[dict]:
+    """`olmo-parity train` of the slice in a child process, its checkpoints under WORK/<name>;
+    returns its metrics rows."""
+    command = [sys.executable, "-m", "parity.train", "--config", "slice", "--platform", "tpu"]
+    command += ["--steps", str(steps), "--save-every", str(save), "--keep", "2"]
+    command += ["--checkpoint-dir", str(work / name), "--out", str(work / f"{name}-out"), *extra]
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache")}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    lines = (work / f"{name}-out" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _restored(directory: Path) -> dict[str, np.ndarray]:
-    """The step-100 checkpoint under `directory`, on this CPU: every leaf by its path."""
+def _digests(directory: Path, step: int) -> dict[str, str]:
+    """sha256 of each array of the checkpoint of `step` under `directory`, read on this CPU."""
     from parity.trace import bundled_data
     from parity.train import PRESETS, Checkpointing, Plan, restore_checkpoint
     from parity.train_data import DataFiles
 
     plan = Plan(
         PRESETS["slice"](),
-        steps=STEPS,
+        steps=step,
         data=DataFiles(tuple(bundled_data()[0]), None, "uint16"),
         checkpoints=Checkpointing(directory, resume=True),
     )
-    state, key, _ = restore_checkpoint(plan, None, STEPS)
+    state, key, _ = restore_checkpoint(plan, None, step)
     flat = jax.tree_util.tree_flatten_with_path({"state": state, "key": jax.random.key_data(key)})
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat[0]}
-
-
-TIMINGS = ("seconds", "tokens_per_s", "fraction_of_peak")
+    return {
+        jax.tree_util.keystr(path): hashlib.sha256(
+            f"{x.dtype}{x.shape}".encode() + np.asarray(x).tobytes()
+        ).hexdigest()
+        for path, x in flat[0]
+    }
 
 
 def _numbers(row: dict) -> dict:
@@ -82,41 +76,60 @@ def _numbers(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in TIMINGS}
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def run() -> dict[str, float]:
+def straight(work: Path, steps: int = STEPS, save: int = SAVE) -> None:
     jax.config.update("jax_platforms", "cpu")  # this process never opens the chip
-    with tempfile.TemporaryDirectory() as work:
-        work = Path(work)
-        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache")}
-        _train(work / "straight", work / "straight-out", env=env)
-        step = f"step_{SAVE:08d}"
-        shutil.copytree(work / "straight" / step, work / "resumed" / step)
-        _train(work / "resumed", work / "resumed-out", "--resume", env=env)
-        straight, resumed = _rows(work / "straight-out"), _rows(work / "resumed-out")
-        a, b = _restored(work / "straight"), _restored(work / "resumed")
-    same_rows = [_numbers(r) for r in straight[SAVE:]] == [_numbers(r) for r in resumed]
-    steady = straight[1:]
-    return {
-        "first_step_s": straight[0]["seconds"],
+    rows = _train(work, "straight", steps, save)
+    digests = _digests(work / "straight", steps)
+    (work / "straight.json").write_text(json.dumps({"rows": rows, "digests": digests}))
+    shutil.rmtree(work / "straight" / f"step_{steps:08d}")
+    (work / "resumed").mkdir()
+    (work / "straight" / f"step_{save:08d}").rename(work / "resumed" / f"step_{save:08d}")
+
+
+def resumed(work: Path, steps: int = STEPS, save: int = SAVE) -> dict[str, float]:
+    jax.config.update("jax_platforms", "cpu")
+    rows = _train(work, "resumed", steps, save, "--resume")
+    before = json.loads((work / "straight.json").read_text())
+    first, digests = before["rows"], before["digests"]
+    steady = first[1:]
+    figures = {
+        "steps": steps,
+        "resumed_at": save,
+        "first_step_s": first[0]["seconds"],
         "step_s": statistics.median(r["seconds"] for r in steady),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
         "fraction_of_peak": statistics.median(r["fraction_of_peak"] for r in steady),
-        "ce_step1": straight[0]["ce"],
-        "ce_step50": straight[SAVE - 1]["ce"],
-        "ce_step100": straight[-1]["ce"],
-        "resumed_first_step_s": resumed[0]["seconds"],
-        "epochs": straight[-1]["epoch"],
-        "state_bit_identical": float(a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)),
-        "metrics_bit_identical": float(same_rows),
+        "ce_first": first[0]["ce"],
+        "ce_resumed_at": first[save - 1]["ce"],
+        "ce_last": first[-1]["ce"],
+        "resumed_first_step_s": rows[0]["seconds"],
+        "epochs": first[-1]["epoch"],
+        "state_bit_identical": float(_digests(work / "resumed", steps) == digests),
+        "metrics_bit_identical": float(
+            [_numbers(r) for r in first[save:]] == [_numbers(r) for r in rows]
+        ),
     }
+    (work / "tpu-train.json").write_text(json.dumps({"tpu-train": figures}, indent=1))
+    return figures
+
+
+def run() -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as work:
+        straight(Path(work))
+        return resumed(Path(work))
 
 
 def summary(figures: dict[str, float]) -> list[str]:
     same = "bit for bit" if figures["state_bit_identical"] else "NOT bit for bit"
     return [
-        f"tpu-train: {STEPS} steps straight and resumed at {SAVE} agree {same}; "
+        f"tpu-train: {figures['steps']} steps straight and resumed at {figures['resumed_at']} "
+        f"agree {same}; "
         f"{figures['step_s']:.3f} s a step, {figures['fraction_of_peak']:.1%} of the chip's peak"
     ]
+
+
+if __name__ == "__main__":
+    half, work, *sizes = sys.argv[1:]
+    Path(work).mkdir(parents=True, exist_ok=True)
+    halves = {"straight": straight, "resumed": resumed}
+    print(json.dumps(halves[half](Path(work), *map(int, sizes))))

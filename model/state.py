@@ -70,6 +70,13 @@ def abstract_state(cfg: Config, mesh: Mesh | None) -> ts.TrainState:
     return with_shardings(state, state_shardings(cfg, layout_of(cfg, mesh), params))
 
 
+def placed(state: ts.TrainState, cfg: Config, mesh: Mesh | None) -> ts.TrainState:
+    """`state` committed to the shardings of `abstract_state(cfg, mesh)`: however a state was
+    made (in eager ops, by `init_train_state`, restored from a checkpoint), the compiled step
+    then sees the same input shardings, so it is the same program bit for bit."""
+    return jax.device_put(state, jax.tree.map(lambda t: t.sharding, abstract_state(cfg, mesh)))
+
+
 def init_train_state(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, ts.TrainState]:
     """A fresh `TrainState` made sharded: each device computes only its own shards of the params
     and optimizer state (`jax.jit` with out_shardings), never a whole copy."""

@@ -25,7 +25,7 @@ from model.config import Config
 from model.convert import from_olmo_core, to_olmo_core
 from model.layout import make_mesh
 from model.objective import model_terms_fn
-from model.state import StepParts, compiled_train_step, step_parts
+from model.state import StepParts, compiled_train_step, placed, step_parts
 from parity.faults import InjectedFault
 from parity.trace import GoldenTrace
 
@@ -113,9 +113,14 @@ def _metrics(out: dict[str, jax.Array]) -> Metrics:
     return {k: np.asarray(v).tolist() for k, v in out.items()}
 
 
+def _mesh(run: Run):
+    """`run`'s mesh; None for one device (JAX's default)."""
+    return make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
+
+
 def _mesh_and_terms(run: Run, graphdef):
     """`run`'s mesh (None: one device) and its model's terms function."""
-    mesh = make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
+    mesh = _mesh(run)
     terms = model_terms_fn(graphdef, run.config, mesh=mesh)
     return mesh, terms if run.wrap_terms is None else run.wrap_terms(terms)
 
@@ -189,7 +194,7 @@ def free_running(
     """Steps 1..`steps` from OLMo-core's step-0 weights. Returns each step's metrics and our
     params (as an OLMo-core state dict) at the trace's saved steps."""
     graphdef, params = _model(trace, run, 0)
-    state = ts.init_state(params, run.config)
+    state = placed(ts.init_state(params, run.config), run.config, _mesh(run))
     rows, saved = [], {}
     for step in range(1, steps + 1):
         state, out = train_step(run, graphdef, state, micro_batches(trace, run, step))

@@ -48,7 +48,7 @@ from model.config import MATMUL_PRECISIONS, Config, micro, olmo35_slice, olmo35_
 from model.convert import from_olmo_core
 from model.flops import fraction_of_peak
 from model.layout import make_mesh
-from model.state import abstract_params, abstract_state, init_train_state, make_model
+from model.state import abstract_params, abstract_state, init_train_state, make_model, placed
 from parity import checkpoint
 from parity.faults import InjectedFault
 from parity.olmo_core_state import export_params, load_training_state, train_state
@@ -145,25 +145,20 @@ def plan_mesh(plan: Plan):
     return make_mesh(**dataclasses.asdict(plan.mesh)) if plan.mesh.devices > 1 else None
 
 
-def _placed(state: ts.TrainState, plan: Plan, mesh) -> ts.TrainState:
-    target = abstract_state(plan.config, mesh)
-    return jax.device_put(state, jax.tree.map(lambda t: t.sharding, target))
-
-
 def initial_state(plan: Plan, mesh) -> ts.TrainState:
     """The plan's starting point laid out on `mesh` (None: one device)."""
     cfg = plan.config
     if plan.init_state is not None:
         template = abstract_params(cfg)[1]
         before = load_training_state(plan.init_state, cfg.model)
-        return _placed(train_state(before, template, cfg, plan.init_step), plan, mesh)
+        return placed(train_state(before, template, cfg, plan.init_step), cfg, mesh)
     if plan.init == "random":
         if mesh is not None:
             return init_train_state(cfg, mesh)[1]
-        return ts.init_state(nnx.state(make_model(cfg)), cfg)
+        return placed(ts.init_state(nnx.state(make_model(cfg)), cfg), cfg, None)
     weights = load_trace().params(0) if plan.init == "trace" else _read_params(Path(plan.init))
     params = nnx.state(from_olmo_core(weights, cfg.model, flags=cfg.flags))
-    return _placed(ts.init_state(params, cfg), plan, mesh)
+    return placed(ts.init_state(params, cfg), cfg, mesh)
 
 
 def _read_params(path: Path) -> dict[str, np.ndarray]:
@@ -225,7 +220,8 @@ def _start(plan: Plan, mesh) -> tuple[ts.TrainState, jax.Array, int]:
             state, key, meta = restore_checkpoint(plan, mesh, saved[-1])
             return state, key, meta["step"]
     state = initial_state(plan, mesh)
-    return state, jax.random.key(plan.seed), int(state.step)
+    key = jax.device_put(jax.random.key(plan.seed), _replicated(mesh))
+    return state, key, int(state.step)
 
 
 def _on_trace_data(plan: Plan) -> bool:
