@@ -5,6 +5,7 @@ part in a process of its own (one process holds the chip), its record under DIR:
     lockstep-highest  `python -m parity.replay --platform tpu --matmul-precision highest`
     lockstep-default  the same at "default" (DIR/lockstep-<precision>/replay.json)
     step              `python -m bench tpu-step --record DIR/step.json`
+    train             `python -m bench tpu-train --record DIR/train.json`
     docs              docs/tpu.json and docs/tpu.md: the records DIR holds, in place of those
                       parts in today's docs/tpu.json (a part not run keeps its last record)
 
@@ -40,6 +41,7 @@ def _commands(work: Path, steps: int) -> dict[str, list[str]]:
         "tests": [*pytest, "--tpu-record", str(work / "tests.json")],
         **lockstep,
         "step": [python, "-m", "bench", "tpu-step", "--record", str(work / "step.json")],
+        "train": [python, "-m", "bench", "tpu-train", "--record", str(work / "train.json")],
     }
 
 
@@ -121,6 +123,8 @@ def collect(work: Path, previous: dict) -> dict:
             record["lockstep"][p] = lockstep_summary(json.loads(replay.read_text()))
     if (work / "step.json").exists():
         record["step"] = json.loads((work / "step.json").read_text())["tpu-step"]
+    if (work / "train.json").exists():
+        record["train"] = json.loads((work / "train.json").read_text())["tpu-train"]
     if not record["lockstep"]:
         del record["lockstep"]
     return record
@@ -237,6 +241,39 @@ def _step_table(step: dict) -> list[str]:
     return lines
 
 
+TRAIN_FIGURES = (
+    ("steps", "steps, straight"),
+    ("resumed_at", "resumed from the checkpoint of step"),
+    ("epochs", "epochs of the bundled corpus at seq 4096"),
+    ("first_step_s", "first step (compile included), s"),
+    ("step_s", "step (median), s"),
+    ("tokens_per_s", "tokens / s (median)"),
+    ("fraction_of_peak", "of the chip's bf16 peak (median)"),
+    ("ce_first", "CE, first step"),
+    ("ce_resumed_at", "CE at the checkpoint"),
+    ("ce_last", "CE, last step"),
+    ("resumed_first_step_s", "resumed process's first step (compile cache), s"),
+    ("state_bit_identical", "last state, straight vs resumed, bit for bit"),
+    ("metrics_bit_identical", "resumed steps' metrics, bit for bit"),
+)
+
+
+def _train_table(train: dict) -> list[str]:
+    lines = ["| figure | value |", "|---|---|"]
+    for key, label in TRAIN_FIGURES:
+        value = train[key]
+        if key.endswith("bit_identical"):
+            text = "yes" if value else "**no**"
+        elif key == "fraction_of_peak":
+            text = f"{value:.1%}"
+        elif key in ("steps", "resumed_at", "epochs"):
+            text = str(int(value))
+        else:
+            text = _g(value)
+        lines.append(f"| {label} | {text} |")
+    return lines
+
+
 def render(record: dict) -> str:
     """docs/tpu.md from docs/tpu.json's record."""
     device = record.get("tests", {}).get("device") or next(
@@ -288,6 +325,20 @@ def render(record: dict) -> str:
             _step_table(record["step"])
             if "step" in record
             else ["Not in this record: `python -m bench.tpu_leg step docs` on a TPU host adds it."]
+        ),
+        "",
+        "## The slice trained, checkpointed and resumed (`python -m bench tpu-train`)",
+        "",
+        "`olmo-parity train --config slice --platform tpu` on the bundled corpus's tokens at seq "
+        "4096 (150 instances, 18 global batches an epoch, later epochs in OLMo-core's order), "
+        "EMO draws from the run's key, matmul precision default; a second process resumes from "
+        "the checkpoint and both last checkpoints are compared array by array "
+        "(bench/tpu_train.py).",
+        "",
+        *(
+            _train_table(record["train"])
+            if "train" in record
+            else ["Not in this record: `python -m bench.tpu_leg train docs` on a TPU host adds it."]
         ),
     ]
     return "\n".join(out) + "\n"

@@ -446,6 +446,8 @@ def plan_of(args: argparse.Namespace) -> Plan:
             f"the hero trains on a pod of {HERO_DEVICES} TPU chips (docs/tpu_memory.md); on "
             f"{args.mesh.devices} it is only compiled ahead of time: `tox -e tpu-aot`"
         )
+    if args.init is not None and args.init_state is not None:
+        raise ValueError("--init and --init-state: give one starting point")
     if args.init == "trace" and args.config != "micro":
         raise ValueError("--init trace: the trace's weights are the micro config's")
     checkpoints = None
@@ -470,6 +472,13 @@ def plan_of(args: argparse.Namespace) -> Plan:
     )
 
 
+def _describe(data: DataFiles | None) -> str:
+    if data is None:
+        return "synthetic tokens"
+    order = "its global-indices file" if data.global_indices else "OLMo-core's order"
+    return f"{len(data.tokens)} token files ({data.tokens[0].parent}), {order}"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_of(args)
@@ -477,8 +486,7 @@ def run(args: argparse.Namespace) -> int:
         device = jax.devices(args.platform)[0].device_kind
         print(
             f"train: {args.config} to step {plan.steps} on mesh {plan.mesh} ({device}), "
-            f"data {'synthetic' if plan.data is None else ', '.join(map(str, plan.data.tokens))}; "
-            "the first step compiles."
+            f"{_describe(plan.data)}; the first step compiles."
         )
         train(plan)
     except (ValueError, FileNotFoundError, TrainingError) as error:

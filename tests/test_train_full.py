@@ -1,0 +1,125 @@
+"""The trainer at length, in processes of its own (`tox -e slow`): the micro config trained 50
+steps gives free-running's numbers bit for bit, and a run killed (SIGKILL) in the middle of a save
+resumes in a new process from its last complete checkpoint to the straight run's state bit for bit
+(a new process compiles its step afresh: the program must be the same)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from parity import checkpoint
+from parity.run import Run, free_running
+from parity.trace import bundled_data, load_trace
+from parity.train import Checkpointing, Plan, restore_checkpoint, train
+from parity.train_data import DataFiles
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_fifty_steps_as_free_running():
+    trace = load_trace()
+    tokens, indices = bundled_data()
+    data = DataFiles(tuple(tokens), indices, "uint16")
+    plan = Plan(trace.config, steps=50, data=data, init="trace")
+    _, rows = train(plan, log=lambda _: None)
+    expected, _ = free_running(trace, Run(trace.config), steps=50, on_step=lambda *_: None)
+    differing = [
+        r["step"] for r, w in zip(rows, expected, strict=True) if {k: r[k] for k in w} != w
+    ]
+    assert differing == []
+
+
+def _command(directory: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "parity.train",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-dir",
+        str(directory),
+        "--save-every",
+        "1",
+        "--keep",
+        "2",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def _env() -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir or ""
+    return env
+
+
+def _kill_mid_save(directory: Path, out: Path) -> bool:
+    """Start the run, SIGKILL it while it writes a checkpoint after step 2; whether the kill
+    landed in a save (a temporary folder left behind)."""
+    process = subprocess.Popen(
+        _command(directory, out), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 600
+    while 2 not in checkpoint.steps(directory):
+        assert process.poll() is None and time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.05)
+    while not any(p.name.startswith(".tmp-") for p in directory.iterdir()):
+        if process.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run finished before it was killed"
+    return any(p.name.startswith(".tmp-") for p in directory.iterdir())
+
+
+def _leaves(plan: Plan) -> dict[str, np.ndarray]:
+    state, key, _ = restore_checkpoint(plan, None, STEPS)
+    flat = jax.tree_util.tree_flatten_with_path({"state": state, "key": jax.random.key_data(key)})
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat[0]}
+
+
+def test_killed_mid_save_resumes_bit_exact(tmp_path):
+    straight = subprocess.run(
+        _command(tmp_path / "a", tmp_path / "a-out"), cwd=ROOT, env=_env(), capture_output=True
+    )
+    assert straight.returncode == 0, straight.stderr.decode()[-3000:]
+    mid_save = _kill_mid_save(tmp_path / "b", tmp_path / "b-out")
+    last = checkpoint.latest(tmp_path / "b")
+    resumed = subprocess.run(
+        _command(tmp_path / "b", tmp_path / "b-out", "--resume"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first = next(line for line in resumed.stdout.splitlines() if line.startswith("step "))
+    assert first.startswith(f"step {last + 1}/{STEPS}"), (mid_save, last, first)
+    tokens, indices = bundled_data()
+    data = DataFiles(tuple(tokens), indices, "uint16")
+    plans = [
+        Plan(load_trace().config, STEPS, data, checkpoints=Checkpointing(tmp_path / d, 1, 2, True))
+        for d in ("a", "b")
+    ]
+    a, b = _leaves(plans[0]), _leaves(plans[1])
+    assert a.keys() == b.keys()
+    assert [k for k in a if a[k].tobytes() != b[k].tobytes()] == []
+    rows = {
+        name: [json.loads(line) for line in (tmp_path / f"{name}-out" / "metrics.jsonl").open()]
+        for name in ("a", "b")
+    }
+    assert [r["step"] for r in rows["b"]] == list(range(1, STEPS + 1))
+    assert [r["ce"] for r in rows["b"]] == [r["ce"] for r in rows["a"]]
