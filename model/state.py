@@ -38,8 +38,10 @@ def make_model(cfg: Config) -> Transformer:
     return Transformer.of(cfg.model, cfg.flags, rngs=nnx.Rngs(cfg.train.init_seed))
 
 
+@functools.cache
 def abstract_params(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:
-    """The `Transformer` of `cfg` split into its graph and abstract params (nothing allocated)."""
+    """The `Transformer` of `cfg` split into its graph and abstract params (nothing allocated;
+    made once a config, so every step built from it shares one graph)."""
     return nnx.split(nnx.eval_shape(lambda: make_model(cfg)))
 
 
@@ -59,9 +61,11 @@ def state_shardings(cfg: Config, layout: Layout, params: nnx.State) -> ts.TrainS
     return ts.TrainState(ps, optim.laid_out(opt_state, moments=ps, other=replicated), replicated)
 
 
+@functools.cache
 def abstract_state(cfg: Config, mesh: Mesh | None) -> ts.TrainState:
     """A `TrainState` of `cfg`'s model as `jax.ShapeDtypeStruct`s, laid out on `mesh` (None: on
-    JAX's default device): the target a checkpoint is restored into."""
+    JAX's default device): the target a checkpoint is restored into (made once a config and
+    mesh)."""
     params = abstract_params(cfg)[1]
     state = jax.eval_shape(lambda p: ts.init_state(p, cfg), params)
     if mesh is None:
