@@ -61,13 +61,6 @@ def maxtext_config(config: Config) -> Config:
     )
 
 
-def _mesh(text: str) -> MeshShape:
-    try:
-        return MeshShape.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -107,7 +100,7 @@ def parser(prog: str = "python -m parity.replay") -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, default=10, help="steps per reporting window")
     parser.add_argument(
         "--mesh",
-        type=_mesh,
+        type=MeshShape.argument,
         default=MeshShape(),
         help="data=D,fsdp=F,expert=E: train the JAX side on D x F x E devices (simulated CPU "
         "ones, or --platform's), rows over all, weights over fsdp, routed experts over expert "

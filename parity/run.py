@@ -9,6 +9,7 @@ model's terms and JAX's own EMO draws.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -58,6 +59,14 @@ class MeshShape:
                 raise ValueError(f"mesh: expected data=D,fsdp=F,expert=E, got {text!r}")
             sizes[name] = int(size)
         return cls(**sizes)
+
+    @classmethod
+    def argument(cls, text: str) -> MeshShape:
+        """`parse` as an argparse type: a bad mesh is a usage error."""
+        try:
+            return cls.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
     @property
     def devices(self) -> int:

@@ -349,20 +349,13 @@ def train(plan: Plan, *, log: Callable[[str], None] = print) -> tuple[ts.TrainSt
     return state, rows
 
 
-def _mesh_arg(text: str) -> MeshShape:
-    try:
-        return MeshShape.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def parser(prog: str = "python -m parity.train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=list(PRESETS), default="micro", help="the preset")
     parser.add_argument("--steps", type=int, required=True, help="the last step to train")
     parser.add_argument(
         "--mesh",
-        type=_mesh_arg,
+        type=MeshShape.argument,
         default=MeshShape(),
         help="data=D,fsdp=F,expert=E (default: one device)",
     )

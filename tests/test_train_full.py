@@ -1,9 +1,12 @@
-"""The trainer at length, in processes of its own (`tox -e slow`): the micro config trained 50
-steps gives free-running's numbers bit for bit, and a run killed (SIGKILL) in the middle of a save
-resumes in a new process from its last complete checkpoint to the straight run's state bit for bit
-(a new process compiles its step afresh: the program must be the same)."""
+"""The trainer at length (`tox -e slow`): the micro config trained 50 steps gives free-running's
+numbers bit for bit; a NaN step is skipped as OLMo-core's rule says and the run goes on; a run
+killed (SIGKILL) in the middle of a save resumes in a new process from its last complete
+checkpoint to the straight run's state bit for bit (a new process compiles its step afresh: the
+program must be the same)."""
 
+import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 
 from parity import checkpoint
+from parity.faults import InjectedFault
 from parity.run import Run, free_running
 from parity.trace import bundled_data, load_trace
 from parity.train import Checkpointing, Plan, restore_checkpoint, train
@@ -38,6 +42,27 @@ def test_fifty_steps_as_free_running():
         r["step"] for r, w in zip(rows, expected, strict=True) if {k: r[k] for k in w} != w
     ]
     assert differing == []
+
+
+def test_a_nan_step_is_skipped_and_the_run_goes_on():
+    """With the skip rule's window at 4 (it acts once 2 steps are recorded; at step 3 the grad
+    norm's jump already crosses 6 sigma of two steps), a NaN gradient at step 4 only: step 4 is
+    skipped, and so are steps 5 and 6, whose history still holds the NaN (`model.optim`,
+    OLMo-core's rule); the run goes on, and its params are those after step 3."""
+    trace = load_trace()
+    tokens, indices = bundled_data()
+    config = dataclasses.replace(
+        trace.config, train=dataclasses.replace(trace.config.train, skip_step_window=4)
+    )
+    data = DataFiles(tuple(tokens), indices, "uint16")
+    fault = InjectedFault(first=4, last=4, grad_scale=("lm_head.w_out.weight", float("nan")))
+    plan = Plan(config, steps=6, data=data, init="trace", fault=fault)
+    state, rows = train(plan, log=lambda _: None)
+    assert [r["skipped"] for r in rows][3:] == [True, True, True]
+    assert math.isnan(rows[3]["grad_norm"]) and all(math.isfinite(r["ce"]) for r in rows)
+    after_3, _ = train(dataclasses.replace(plan, steps=3), log=lambda _: None)
+    leaves = jax.tree.leaves(state.params), jax.tree.leaves(after_3.params)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(*leaves, strict=True))
 
 
 def _command(directory: Path, out: Path, *extra: str) -> list[str]:
