@@ -118,7 +118,8 @@ def use_platform(platform: str, devices: int = 1) -> None:
         raise SystemExit(f"a mesh of {devices} devices: JAX has {len(found)} {platform} devices")
 
 
-def _metrics(out: dict[str, jax.Array]) -> Metrics:
+def plain_metrics(out: dict[str, jax.Array]) -> Metrics:
+    """A step's metrics as plain floats and lists."""
     return {k: np.asarray(v).tolist() for k, v in out.items()}
 
 
@@ -207,7 +208,7 @@ def free_running(
     rows, saved = [], {}
     for step in range(1, steps + 1):
         state, out = train_step(run, graphdef, state, micro_batches(trace, run, step))
-        rows.append(_metrics(out))
+        rows.append(plain_metrics(out))
         if step in trace.snapshot_steps:
             saved[step] = to_olmo_core(nnx.merge(graphdef, state.params))
         on_step(step, rows[-1])
@@ -222,5 +223,5 @@ def teacher_forced(trace: GoldenTrace, run: Run, *, steps: int) -> list[tuple[in
         graphdef, params = _model(trace, run, start)
         state = ts.TrainState(params, optim.init(params, run.config), jnp.asarray(start, jnp.int32))
         _, metrics, _ = take_step(run, graphdef, state, micro_batches(trace, run, start + 1))
-        out.append((start + 1, _metrics(metrics)))
+        out.append((start + 1, plain_metrics(metrics)))
     return out

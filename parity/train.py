@@ -52,7 +52,15 @@ from model.state import abstract_params, abstract_state, init_train_state, make_
 from parity import checkpoint
 from parity.faults import InjectedFault
 from parity.olmo_core_state import export_params, load_training_state, train_state
-from parity.run import PLATFORMS, MeshShape, Metrics, Run, train_step, use_platform
+from parity.run import (
+    PLATFORMS,
+    MeshShape,
+    Metrics,
+    Run,
+    plain_metrics,
+    train_step,
+    use_platform,
+)
 from parity.trace import bundled_data, load_trace
 from parity.train_data import DataFiles, TrainData
 
@@ -322,8 +330,7 @@ def train(plan: Plan, *, log: Callable[[str], None] = print) -> tuple[ts.TrainSt
             batch = jax.tree.map(jnp.asarray, data.batch(step))
             start = time.perf_counter()
             state, out = train_step(plan.run, graphdef, state, batch)
-            metrics = {k: np.asarray(v).tolist() for k, v in out.items()}
-            row = _row(step, data, metrics, time.perf_counter() - start, plan)
+            row = _row(step, data, plain_metrics(out), time.perf_counter() - start, plan)
             rows.append(row)
             log(progress_line(row, plan.steps))
             if sink is not None:
