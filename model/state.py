@@ -93,6 +93,13 @@ def init_train_state(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, ts.TrainSta
     return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
+def _laid_out(cfg: Config, mesh: Mesh) -> tuple[ts.TrainState, NamedSharding]:
+    """The shardings of `cfg`'s train state on `mesh` and those of its micro-batches' rows."""
+    layout = layout_of(cfg, mesh)
+    shardings = state_shardings(cfg, layout, abstract_params(cfg)[1])
+    return shardings, layout.micro_batch_sharding(cfg.train.micro_batch_size)
+
+
 def _update(params, grads, opt_state, step, loss, *, cfg: Config):
     return optim.step(params, grads, opt_state, step=step, loss=loss, cfg=cfg)
 
@@ -136,10 +143,8 @@ def step_parts(
     update = functools.partial(_update, cfg=cfg)
     if mesh is None:
         return StepParts(jax.jit(accumulate), jax.jit(update))
-    layout = layout_of(cfg, mesh)
-    laid_out = state_shardings(cfg, layout, abstract_params(cfg)[1])
+    laid_out, rows = _laid_out(cfg, mesh)
     params, opt, one = laid_out.params, laid_out.opt_state, laid_out.step
-    rows = layout.micro_batch_sharding(cfg.train.micro_batch_size)
     accumulate = jax.jit(
         functools.partial(accumulate, grad_sharding=params),
         in_shardings=(params, rows),
@@ -188,11 +193,5 @@ def compiled_train_step(
     terms = model_terms_fn(graphdef, cfg, mesh=mesh) if terms_fn is None else terms_fn
     if mesh is None:
         return jit_train_step(cfg, terms, donate=donate)
-    layout = layout_of(cfg, mesh)
-    return jit_train_step(
-        cfg,
-        terms,
-        shardings=state_shardings(cfg, layout, abstract_params(cfg)[1]),
-        rows=layout.micro_batch_sharding(cfg.train.micro_batch_size),
-        donate=donate,
-    )
+    shardings, rows = _laid_out(cfg, mesh)
+    return jit_train_step(cfg, terms, shardings=shardings, rows=rows, donate=donate)

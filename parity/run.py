@@ -123,14 +123,14 @@ def plain_metrics(out: dict[str, jax.Array]) -> Metrics:
     return {k: np.asarray(v).tolist() for k, v in out.items()}
 
 
-def _mesh(run: Run):
+def run_mesh(run: Run):
     """`run`'s mesh; None for one device (JAX's default)."""
     return make_mesh(**dataclasses.asdict(run.mesh)) if run.mesh.devices > 1 else None
 
 
 def _mesh_and_terms(run: Run, graphdef):
     """`run`'s mesh (None: one device) and its model's terms function."""
-    mesh = _mesh(run)
+    mesh = run_mesh(run)
     terms = model_terms_fn(graphdef, run.config, mesh=mesh)
     return mesh, terms if run.wrap_terms is None else run.wrap_terms(terms)
 
@@ -204,7 +204,7 @@ def free_running(
     """Steps 1..`steps` from OLMo-core's step-0 weights. Returns each step's metrics and our
     params (as an OLMo-core state dict) at the trace's saved steps."""
     graphdef, params = _model(trace, run, 0)
-    state = placed(ts.init_state(params, run.config), run.config, _mesh(run))
+    state = placed(ts.init_state(params, run.config), run.config, run_mesh(run))
     rows, saved = [], {}
     for step in range(1, steps + 1):
         state, out = train_step(run, graphdef, state, micro_batches(trace, run, step))

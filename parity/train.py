@@ -47,7 +47,6 @@ from model import train_step as ts
 from model.config import MATMUL_PRECISIONS, Config, micro, olmo35_slice, olmo35_tiny, olmo_core
 from model.convert import from_olmo_core
 from model.flops import fraction_of_peak
-from model.layout import make_mesh
 from model.state import abstract_params, abstract_state, init_train_state, make_model, placed
 from parity import checkpoint
 from parity.faults import InjectedFault
@@ -58,6 +57,7 @@ from parity.run import (
     Metrics,
     Run,
     plain_metrics,
+    run_mesh,
     train_step,
     use_platform,
 )
@@ -150,7 +150,7 @@ def plan_mesh(plan: Plan):
         raise ValueError(
             f"--mesh {plan.mesh}: the {experts} routed experts do not split over expert={expert}"
         )
-    return make_mesh(**dataclasses.asdict(plan.mesh)) if plan.mesh.devices > 1 else None
+    return run_mesh(plan.run)
 
 
 def initial_state(plan: Plan, mesh) -> ts.TrainState:
@@ -180,17 +180,16 @@ def restore_checkpoint(plan: Plan, mesh, step: int) -> tuple[ts.TrainState, jax.
     key, its meta), after `parity.checkpoint.restore`'s checks."""
     target = {
         "state": abstract_state(plan.config, mesh),
-        "key": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=_replicated(mesh)),
+        "key": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=_replicated(plan, mesh)),
     }
     cp = plan.checkpoints
     arrays, meta = checkpoint.restore(cp.directory, step, target, config=plan.checkpoint_config())
     return arrays["state"], jax.random.wrap_key_data(arrays["key"]), meta
 
 
-def _replicated(mesh):
-    if mesh is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+def _replicated(plan: Plan, mesh):
+    """Where the run's key lies: as the state's step count (replicated, or the one device)."""
+    return abstract_state(plan.config, mesh).step.sharding
 
 
 def save_checkpoint(plan: Plan, step: int, state: ts.TrainState, key: jax.Array) -> Path:
@@ -228,7 +227,7 @@ def _start(plan: Plan, mesh) -> tuple[ts.TrainState, jax.Array, int]:
             state, key, meta = restore_checkpoint(plan, mesh, saved[-1])
             return state, key, meta["step"]
     state = initial_state(plan, mesh)
-    key = jax.device_put(jax.random.key(plan.seed), _replicated(mesh))
+    key = jax.device_put(jax.random.key(plan.seed), _replicated(plan, mesh))
     return state, key, int(state.step)
 
 
