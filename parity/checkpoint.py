@@ -116,16 +116,6 @@ def verify(directory: Path, step: int) -> Path:
     return folder
 
 
-def read_meta(directory: Path, step: int) -> dict:
-    """The `meta` saved with the step, its meta.json checked against integrity.json."""
-    folder, entries = _listing(directory, step)
-    listed = [e for e in entries if e["path"] == _META]
-    problems = list(_problems(folder, listed)) if listed else [f"{_META}: not in {_INTEGRITY}"]
-    if problems:
-        raise CheckpointError(f"{folder} is damaged:\n  " + "\n  ".join(problems))
-    return json.loads((folder / _META).read_text())
-
-
 def restore(directory: Path, step: int, target: Any, *, config: dict) -> tuple[Any, dict]:
     """The step's arrays laid out as `target` says (a pytree like the saved one, of
     jax.ShapeDtypeStructs each with its `.sharding`, on any mesh), and its meta. Checks the files,

@@ -93,7 +93,6 @@ def test_round_trip_one_device(tmp_path):
     arrays = _arrays(_one_device)
     folder = checkpoint.save(tmp_path, 3, arrays, META, keep=1)
     assert folder == tmp_path / "step_00000003"
-    assert checkpoint.read_meta(tmp_path, 3) == META
     config = {**CONFIG, "train": {**CONFIG["train"], "betas": (0.9, 0.95)}}
     restored, meta = checkpoint.restore(tmp_path, 3, _target(arrays, _one_device), config=config)
     _assert_same(arrays, restored)
