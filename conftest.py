@@ -56,9 +56,16 @@ def pytest_configure(config):
         jax.config.update("jax_platforms", "")
 
 
+def _cost(item) -> float:
+    mark = item.get_closest_marker("cost")
+    return 0.0 if mark is None else mark.args[0]
+
+
 def pytest_collection_modifyitems(items):
-    """Tests marked `longest` first (stable otherwise): xdist hands out modules in this order."""
-    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+    """The costliest tests first (`pytest.mark.cost`), collection order otherwise: xdist hands
+    out modules (the gate) and tests (the slow stage) in this order, so the long ones start
+    early and the short ones fill in beside them."""
+    items.sort(key=lambda item: -_cost(item))
 
 
 @pytest.fixture(scope="session")

@@ -238,19 +238,30 @@ def _micro_batches(trace: GoldenTrace, run: Run, olmo_core: OlmoCoreStep) -> dic
     return {**batch, "pool_draws": olmo_core.pool_draws}
 
 
+def _placed_as(values, like):
+    """`values` on the shardings of `like` (arrays in the same structure), committed where those
+    are: a jitted function given either then runs the same compiled program."""
+    return jax.tree.map(
+        lambda value, on: jax.device_put(value, on.sharding if on.committed else None), values, like
+    )
+
+
 def jax_step(trace: GoldenTrace, run: Run, model, olmo_core: OlmoCoreStep) -> StepResult:
     """The JAX side's step from OLMo-core's state before it: the whole step, and its optimizer
     alone on OLMo-core's gradients (so an update is compared without the gradients' rounding,
-    which Adam scales up where a gradient is near its eps). `model`: (graphdef, a state) of the
-    run's model, whose values are not read."""
+    which Adam scales up where a gradient is near its eps), these placed as the step's own
+    gradients and CE so that the step's compiled optimizer serves both. `model`: (graphdef, a
+    state) of the run's model, whose values are not read."""
     cfg, step = run.config, olmo_core.step
     graphdef, template = model
     state = train_state(olmo_core.before, template, cfg, step - 1)
     batch = jax.tree.map(jnp.asarray, _micro_batches(trace, run, olmo_core))
     after, metrics, grads = take_step(run, graphdef, state, batch)
     update = parts_at(run, graphdef, step)[0].update
-    golden_grads = like_params(olmo_core.result.grads, template, model_entries(cfg.model))
-    ce = jnp.asarray(olmo_core.result.metrics["ce"], jnp.float32)
+    golden_grads = _placed_as(
+        like_params(olmo_core.result.grads, template, model_entries(cfg.model)), grads
+    )
+    ce = _placed_as(jnp.asarray(olmo_core.result.metrics["ce"], jnp.float32), metrics["ce"])
     alone, alone_opt, _ = update(state.params, golden_grads, state.opt_state, state.step, ce)
     alone = ts.TrainState(alone, alone_opt, state.step + 1)
     metrics = {k: np.asarray(v).tolist() for k, v in metrics.items()}

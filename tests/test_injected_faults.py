@@ -13,6 +13,8 @@ from parity.run import Run, free_running, release_compiled
 from parity.trace import load_trace
 from tests.lockstep_faults import FAULTS
 
+pytestmark = pytest.mark.cost(150)
+
 
 def latest_start(trace, step: int) -> int:
     """The latest step at or before `step` that lockstep can start at: 1, or one after a saved

@@ -10,7 +10,7 @@ from parity.trace import load_trace
 
 
 @pytest.mark.slow
-@pytest.mark.longest
+@pytest.mark.cost(1700)
 def test_the_whole_first_epoch_passes(tmp_path):
     epoch = load_trace().data.num_batches
     code = replay.main(["--steps", str(epoch), "--out", str(tmp_path), "--window", "50"])

@@ -1,7 +1,9 @@
 """The micro model at scale on 8 simulated CPU devices (`model.sharding`, `model.expert_parallel`):
-one GA-2 train step (global load balancing on) from OLMo-core's step-0 weights, on each (data,
-fsdp, expert) mesh, gives one device's metrics, expert counts and gradients. Where params live:
-tests/test_sharded_layout.py."""
+one GA-2 train step's accumulation (global load balancing on) from OLMo-core's step-0 weights, on
+each (data, fsdp, expert) mesh, gives one device's terms, expert counts and gradients before
+clipping. The optimizer is not run: the gradients it would take are compared instead of what
+it reports (lr, grad_norm, skipped). The gate runs the mesh (2, 2, 2); (1, 8, 1) and (1, 2, 4)
+are slow. Where params live: tests/test_sharded_layout.py."""
 
 import dataclasses
 import functools
@@ -13,16 +15,21 @@ from flax import nnx
 
 from goldens.tolerances import MESH_SAME_AS_ONE_DEVICE, MESH_SAME_AS_ONE_DEVICE_PER_TENSOR
 from model import config as c
-from model import train_step as ts
 from model.convert import from_olmo_core
-from parity.run import MeshShape, Run, take_step
+from parity.run import MeshShape, Run, parts_at
 from parity.trace import load_trace
 from tests.compare import assert_close, assert_gaps_within, leaf_gaps
 
-MESHES = [(1, 8, 1), (2, 2, 2), (1, 2, 4)]
+pytestmark = pytest.mark.cost(60)
+
+MESHES = [
+    pytest.param(1, 8, 1, marks=pytest.mark.slow),
+    (2, 2, 2),
+    pytest.param(1, 2, 4, marks=pytest.mark.slow),
+]
 """(data, fsdp, expert); 8 rows a micro-batch split over all 8 devices on each: every weight
-split 8 ways, all three axes at once, and 4 expert groups with their weights split over fsdp.
-(1, 4, 2) is lockstep's mesh in the gate (tests/test_lockstep.py)."""
+split 8 ways (slow), all three axes at once (the gate's), and 4 expert groups with their weights
+split over fsdp (slow). (1, 4, 2) is lockstep's mesh in the gate (tests/test_lockstep.py)."""
 
 
 def _config() -> c.Config:
@@ -39,13 +46,14 @@ def _batch() -> dict[str, np.ndarray]:
 
 
 def _step(data: int, fsdp: int, expert: int):
-    """One train step from the trace's step-0 params, laid out on the mesh by the jitted step:
-    (metrics, gradients) as numpy."""
+    """The accumulation of step 1 (`model.state.StepParts.accumulate`) from the trace's step-0
+    params, laid out on the mesh by the jitted part: (terms, gradients before clipping) as
+    numpy."""
     cfg = _config()
     graphdef, params = nnx.split(from_olmo_core(load_trace().params(0), cfg.model, flags=cfg.flags))
     run = Run(cfg, mesh=MeshShape(data, fsdp, expert))
-    _, metrics, grads = take_step(run, graphdef, ts.init_state(params, cfg), _batch())
-    return jax.tree.map(np.asarray, (metrics, grads))
+    grads, terms = parts_at(run, graphdef, 1)[0].accumulate(params, _batch())
+    return jax.tree.map(np.asarray, (terms, grads))
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +62,28 @@ def one_device():
 
 
 def assert_same_step(expected, actual) -> None:
-    """(metrics, gradients) of one step within MESH_SAME_AS_ONE_DEVICE elementwise and, each
+    """(terms, gradients) of one step within MESH_SAME_AS_ONE_DEVICE elementwise and, each
     tensor against its own norm, MESH_SAME_AS_ONE_DEVICE_PER_TENSOR; the expert counts equal."""
-    (want_metrics, want_grads), (metrics, grads) = expected, actual
+    (want_terms, want_grads), (terms, grads) = expected, actual
     counts = "expert_counts"
-    np.testing.assert_array_equal(metrics[counts], want_metrics[counts])
-    want_metrics = {k: v for k, v in want_metrics.items() if k != counts}
-    metrics = {k: v for k, v in metrics.items() if k != counts}
-    assert_close("metrics", expected=want_metrics, actual=metrics, tol=MESH_SAME_AS_ONE_DEVICE)
+    np.testing.assert_array_equal(terms[counts], want_terms[counts])
+    want_terms = {k: v for k, v in want_terms.items() if k != counts}
+    terms = {k: v for k, v in terms.items() if k != counts}
+    assert_close("terms", expected=want_terms, actual=terms, tol=MESH_SAME_AS_ONE_DEVICE)
     assert_close("grads", expected=want_grads, actual=grads, tol=MESH_SAME_AS_ONE_DEVICE)
-    gaps = leaf_gaps(want_metrics, metrics) | leaf_gaps(want_grads, grads)
+    gaps = leaf_gaps(want_terms, terms) | leaf_gaps(want_grads, grads)
     assert_gaps_within("mesh vs one device", gaps, MESH_SAME_AS_ONE_DEVICE_PER_TENSOR, "a step")
 
 
 @pytest.mark.parametrize(("data", "fsdp", "expert"), MESHES, ids=lambda n: str(n))
-def test_a_train_step_on_the_mesh_is_one_devices(one_device, data, fsdp, expert):
+def test_a_steps_gradients_on_the_mesh_are_one_devices(one_device, data, fsdp, expert):
     assert_same_step(one_device, _step(data, fsdp, expert))
 
 
 def test_a_one_percent_error_in_the_smallest_gradient_is_seen(one_device):
     """Block 5's A_log gradient (norm 7e-7, under every elementwise atol) 1% off: the elementwise
     check lets it through, the per-tensor one does not."""
-    metrics, grads = one_device
+    terms, grads = one_device
     wrong = jax.tree_util.tree_map_with_path(
         lambda path, g: (
             g * 1.01 if "[5]['attention']['A_log']" in jax.tree_util.keystr(path) else g
@@ -84,4 +92,4 @@ def test_a_one_percent_error_in_the_smallest_gradient_is_seen(one_device):
     )
     assert_close("grads", expected=grads, actual=wrong, tol=MESH_SAME_AS_ONE_DEVICE)
     with pytest.raises(AssertionError, match=r"1 of 2\d\d tensors:\n  \['blocks'\]\[5\]"):
-        assert_same_step(one_device, (metrics, wrong))
+        assert_same_step(one_device, (terms, wrong))
