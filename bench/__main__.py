@@ -1,7 +1,7 @@
 """`python -m bench [name ...] [--record PATH]`: run the benchmarks (all those for this CPU by
 default) and print their figures; `--record` also writes them as JSON. The CPU is split into as
 many simulated devices as the most any named benchmark needs: one, the real CPU, unless `memory`
-(8) is among them. `tpu-step` and `tpu-train` run on a TPU host only, when named."""
+(8) is among them. `tpu-step`, `tpu-train` and `tpu-profile` run on a TPU host only, when named."""
 
 import argparse
 import importlib
@@ -19,9 +19,10 @@ BENCHES = {
     "step": ("bench.step", 1),
     "tpu-step": ("bench.tpu_step", 1),
     "tpu-train": ("bench.tpu_train", 1),
+    "tpu-profile": ("bench.tpu_profile", 1),
 }
 """name: (module, simulated CPU devices it needs)."""
-ON_A_TPU_HOST = ("tpu-step", "tpu-train")
+ON_A_TPU_HOST = ("tpu-step", "tpu-train", "tpu-profile")
 """Left out unless named."""
 
 

@@ -6,6 +6,7 @@ part in a process of its own (one process holds the chip), its record under DIR:
     lockstep-default  the same at "default" (DIR/lockstep-<precision>/replay.json)
     step              `python -m bench tpu-step --record DIR/step.json`
     train             `python -m bench tpu-train --record DIR/train.json`
+    profile           `python -m bench tpu-profile --record DIR/profile.json`
     docs              docs/tpu.json and docs/tpu.md: the records DIR holds, in place of those
                       parts in today's docs/tpu.json (a part not run keeps its last record)
 
@@ -42,6 +43,7 @@ def _commands(work: Path, steps: int) -> dict[str, list[str]]:
         **lockstep,
         "step": [python, "-m", "bench", "tpu-step", "--record", str(work / "step.json")],
         "train": [python, "-m", "bench", "tpu-train", "--record", str(work / "train.json")],
+        "profile": [python, "-m", "bench", "tpu-profile", "--record", str(work / "profile.json")],
     }
 
 
@@ -125,6 +127,8 @@ def collect(work: Path, previous: dict) -> dict:
         record["step"] = json.loads((work / "step.json").read_text())["tpu-step"]
     if (work / "train.json").exists():
         record["train"] = json.loads((work / "train.json").read_text())["tpu-train"]
+    if (work / "profile.json").exists():
+        record["profile"] = json.loads((work / "profile.json").read_text())["tpu-profile"]
     if not record["lockstep"]:
         del record["lockstep"]
     return record
@@ -274,6 +278,15 @@ def _train_table(train: dict) -> list[str]:
     return lines
 
 
+def _profile_table(profile: dict) -> list[str]:
+    lines = ["| op family | ms a step | share of the step |", "|---|---|---|"]
+    families = [k.removesuffix(".share") for k in profile if k.endswith(".share")]
+    for family in sorted(families, key=lambda f: -profile[f"{f}.share"]):
+        seconds, share = profile[f"{family}.seconds"], profile[f"{family}.share"]
+        lines.append(f"| {family} | {seconds * 1e3:.1f} | {share:.1%} |")
+    return lines
+
+
 def render(record: dict) -> str:
     """docs/tpu.md from docs/tpu.json's record."""
     device = record.get("tests", {}).get("device") or next(
@@ -339,6 +352,24 @@ def render(record: dict) -> str:
             _train_table(record["train"])
             if "train" in record
             else ["Not in this record: `python -m bench.tpu_leg train docs` on a TPU host adds it."]
+        ),
+        "",
+        "## Where the slice's step spends the chip's time (`python -m bench tpu-profile`)",
+        "",
+        "`bench tpu-step`'s slice at matmul precision default, 3 steps traced by `jax.profiler` "
+        "after 2: each op the chip ran goes to the family of the innermost named scope in its "
+        "HLO metadata (`jax.named_scope` in the model; a fusion without one, to the family most "
+        "of its ops carry), else to copies and layout or other compute by its opcode; idle is "
+        "the step's wall time the chip ran no op (bench/tpu_profile.py). The trace gives no "
+        "FLOPs per op, so the families' FLOP/s are not shown; the whole step's are in the "
+        "tpu-step table.",
+        "",
+        *(
+            _profile_table(record["profile"])
+            if "profile" in record
+            else [
+                "Not in this record: `python -m bench.tpu_leg profile docs` on a TPU host adds it."
+            ]
         ),
     ]
     return "\n".join(out) + "\n"

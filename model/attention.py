@@ -114,6 +114,7 @@ class Attention(nnx.Module):
         seg = None if self.ignore_segment_ids else segment_ids
         return scalable_softmax(q, self.ssmax_scale[...], visible_lengths(seg, T)), k, v
 
+    @jax.named_scope("attention")
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         B, T, _ = x.shape
         q, k, v = self.qkv(x, segment_ids)

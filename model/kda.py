@@ -89,6 +89,7 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = nnx.Param(jnp.ones((dv,), p_dtype), logical_axes=("kv",))
         self.w_out = linear(H * dv, d_model, std, rngs, axes=("heads", "embed"), dtype=dtype)
 
+    @jax.named_scope("kda")
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         c = self.config
         B, T, _ = x.shape

@@ -125,6 +125,7 @@ def _power_series(a: jax.Array) -> jax.Array:
     return x
 
 
+@jax.named_scope("kda_inverse")
 def invert_unit_lower(a: jax.Array, method: str = "forward_substitution") -> jax.Array:
     """(I + a)^-1 for strictly lower a [..., C, C]; `method` in KDA_INVERSES (Flags.kda_inverse)."""
     if method == "forward_substitution":
@@ -289,21 +290,22 @@ def chunk_kda(
     # The segment of the token before each chunk, whose state S_0 the chunk starts from.
     seg_prev = jnp.concatenate([seg[:, :, :1, 0], seg[:, :, :-1, -1]], axis=2)  # [B, H, N]
 
-    G = _prefix_sums(g)  # decay since the chunk start
-    same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
-    carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
-    A = chunk_system(k, g, beta, same)
-    T_beta = invert_unit_lower(A, inverse) * beta[..., None, :]  # (I + A)^-1 diag(beta)
-    gamma = jnp.where(
-        carry[..., None], jnp.exp(G), 0.0
-    )  # decay since the chunk start, 0 if restarted
-    w = T_beta @ (gamma * k)  # [B, H, N, C, K]
-    u = T_beta @ v  # [B, H, N, C, V]
-    A_qk = jnp.where(jnp.tril(same), intra_chunk_scores(q, k, g), 0.0)
-    # Decay from token j to the chunk end, for the tokens of the chunk's last segment.
-    in_last = seg == seg[..., -1:]  # [B, H, N, C]
-    k_tail = jnp.where(in_last[..., None], jnp.exp(_suffix_sums(g)) * k, 0.0)
-    gamma_end = jnp.where(carry[..., -1:], jnp.exp(G[..., -1, :]), 0.0)  # [B, H, N, K]
+    with jax.named_scope("kda_intra_chunk"):
+        G = _prefix_sums(g)  # decay since the chunk start
+        same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
+        carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
+        A = chunk_system(k, g, beta, same)
+        T_beta = invert_unit_lower(A, inverse) * beta[..., None, :]  # (I + A)^-1 diag(beta)
+        gamma = jnp.where(
+            carry[..., None], jnp.exp(G), 0.0
+        )  # decay since the chunk start, 0 if restarted
+        w = T_beta @ (gamma * k)  # [B, H, N, C, K]
+        u = T_beta @ v  # [B, H, N, C, V]
+        A_qk = jnp.where(jnp.tril(same), intra_chunk_scores(q, k, g), 0.0)
+        # Decay from token j to the chunk end, for the tokens of the chunk's last segment.
+        in_last = seg == seg[..., -1:]  # [B, H, N, C]
+        k_tail = jnp.where(in_last[..., None], jnp.exp(_suffix_sums(g)) * k, 0.0)
+        gamma_end = jnp.where(carry[..., -1:], jnp.exp(G[..., -1, :]), 0.0)  # [B, H, N, K]
 
     def step(S, x):  # S [B, H, K, V]; one chunk of every input
         q_n, w_n, u_n, A_qk_n, gamma_n, k_tail_n, gamma_end_n = x
@@ -313,7 +315,8 @@ def chunk_kda(
         return S, o
 
     per_chunk = [jnp.moveaxis(x, 2, 0) for x in (q, w, u, A_qk, gamma, k_tail, gamma_end)]
-    state, o = lax.scan(step, state, per_chunk)  # o [N, B, H, C, V]
+    with jax.named_scope("kda_inter_chunk"):
+        state, o = lax.scan(step, state, per_chunk)  # o [N, B, H, C, V]
     o = jnp.moveaxis(o, 0, 2)  # shape: [B, H, N, C, V] -> [B, N*C, H, V]
     o = jnp.moveaxis(o.reshape(B, H, -1, o.shape[-1]), 1, 2)
     return o[:, :T], state

@@ -33,6 +33,7 @@ def cross_entropy_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array,
     return ce, jnp.sum(jnp.where(keep, jnp.square(lse), 0.0))
 
 
+@jax.named_scope("vocab_loss")
 def lm_head_loss_sums(
     hidden: jax.Array,
     w_out: jax.Array,

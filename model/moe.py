@@ -66,12 +66,14 @@ def naive_routed_experts(
     return jnp.sum(weights[..., None] * chosen, axis=1)
 
 
+@jax.named_scope("grouped_matmul")
 def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """x [M, K] rows grouped in order, w [G, K, N] -> [M, N], group g's rows times w[g]; rows past
     the last group come out zero (`jax.lax.ragged_dot`)."""
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
+@jax.named_scope("grouped_matmul")
 def megablox_matmul(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool = False
 ) -> jax.Array:
@@ -122,6 +124,7 @@ def _gmm_bwd(tiling, interpret, precision, vjp, dy):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
+@jax.named_scope("moe_dispatch")
 def routed_experts(
     z: jax.Array,
     indices: jax.Array,
@@ -166,6 +169,7 @@ def expert_tiles(indices: jax.Array, num_experts: int, tile: int) -> tuple[jax.A
     return rows, tile_expert
 
 
+@jax.named_scope("moe_dispatch")
 def tiled_routed_experts(
     z: jax.Array,
     indices: jax.Array,
@@ -183,8 +187,9 @@ def tiled_routed_experts(
     n_tiles = tile_expert.shape[0]
     x = jnp.zeros((n_tiles * tile, z.shape[1]), z.dtype)
     x = x.at[rows].set(jnp.repeat(z, k, axis=0), mode="drop").reshape(n_tiles, tile, -1)
-    h = swiglu(jnp.einsum("mtl,mhl->mth", x, w_up_gate[tile_expert]))
-    out = jnp.einsum("mth,mhl->mtl", h, w_down[tile_expert]).reshape(n_tiles * tile, -1)
+    with jax.named_scope("grouped_matmul"):
+        h = swiglu(jnp.einsum("mtl,mhl->mth", x, w_up_gate[tile_expert]))
+        out = jnp.einsum("mth,mhl->mtl", h, w_down[tile_expert]).reshape(n_tiles * tile, -1)
     slots = out.at[rows].get(mode="fill", fill_value=0).reshape(N, k, -1)
     return jnp.sum(weights[..., None] * slots, axis=1)
 
@@ -320,6 +325,7 @@ class LatentMoE(nnx.Module):
             d_model, config.shared_expert_hidden, std=std, dtype=dtype, rngs=rngs
         )
 
+    @jax.named_scope("moe")
     def __call__(
         self,
         m: jax.Array,

@@ -166,6 +166,7 @@ def proceeds(state: SkipState, *, sigma: float, window: int) -> jax.Array:
     return ~enough | (within(state.losses) & within(state.grad_norms))
 
 
+@jax.named_scope("optimizer")
 def step(params, grads, state: OptState, *, step, loss, cfg: Config):
     """One optimizer step. `loss` is the step's CE (what OLMo-core's skip rule watches).
     Returns (params, state, {"lr", "grad_norm" (before clipping), "skipped"})."""

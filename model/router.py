@@ -116,6 +116,7 @@ class Router(nnx.Module):
             trunc_normal(std)(rngs.params(), shape, full_precision(dtype)), logical_axes=("embed",)
         )
 
+    @jax.named_scope("router")
     def __call__(
         self,
         x: jax.Array,
