@@ -360,7 +360,7 @@ def render(record: dict) -> str:
         "after 2: each op the chip ran goes to the family of the innermost named scope in its "
         "HLO metadata (`jax.named_scope` in the model; a fusion without one, to the family most "
         "of its ops carry), else to copies and layout or other compute by its opcode; idle is "
-        "the step's wall time the chip ran no op (bench/tpu_profile.py). The trace gives no "
+        "the step's wall time the chip ran no op (parity/profile.py). The trace gives no "
         "FLOPs per op, so the families' FLOP/s are not shown; the whole step's are in the "
         "tpu-step table.",
         "",

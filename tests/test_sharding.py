@@ -1,4 +1,4 @@
-"""The micro model at scale on 8 simulated CPU devices (`model.sharding`, `model.expert_parallel`):
+"""The micro model at scale on 8 simulated CPU devices (`model.layout`, `model.expert_parallel`):
 one GA-2 train step's accumulation (global load balancing on) from OLMo-core's step-0 weights, on
 each (data, fsdp, expert) mesh, gives one device's terms, expert counts and gradients before
 clipping. The optimizer is not run: the gradients it would take are compared instead of what

@@ -1,10 +1,10 @@
-"""`bench.tpu_profile`'s split of a step by op family, on this CPU: an op goes to the innermost of
-the model's named scopes in its HLO metadata, a fusion without one to the family most of its ops
-carry, an op of none to copies and layout or other compute by its opcode. A chunk KDA gradient's
-lowered module carries the inverse, intra-chunk and inter-chunk families, so the scopes the model
-sets and the ones the profile reads are the same names (read before compiling: the persistent
-compile cache's keys leave metadata out, so a cached executable can carry an older module's
-names)."""
+"""`parity.profile`'s split of a step by op family (`bench tpu-profile`), on this CPU: an op goes
+to the innermost of the model's named scopes in its HLO metadata, a fusion without one to the
+family most of its ops carry, an op of none to copies and layout or other compute by its opcode.
+A chunk KDA gradient's lowered module carries the inverse, intra-chunk and inter-chunk families,
+so the scopes the model sets and the ones the profile reads are the same names (read before
+compiling: the persistent compile cache's keys leave metadata out, so a cached executable can
+carry an older module's names)."""
 
 import collections
 import re
@@ -12,8 +12,8 @@ import re
 import jax
 import jax.numpy as jnp
 
-from bench.tpu_profile import FAMILIES, LAYOUT, OTHER, classify, family_of, hlo_ops
 from model.kda_chunk import chunk_kda
+from parity.profile import FAMILIES, LAYOUT, OTHER, HloOp, classify, family_of, hlo_ops
 
 
 def test_the_innermost_scope_names_the_family():
@@ -26,9 +26,9 @@ def test_the_innermost_scope_names_the_family():
 
 def test_a_fusion_takes_its_ops_family_and_a_bare_op_its_opcodes():
     router = ["jit(f)/router/dot_general", "jit(f)/router/add", "jit(f)/kda/mul"]
-    assert classify({"opcode": "fusion", "op_name": "", "inner": router}) == FAMILIES["router"]
-    assert classify({"opcode": "copy", "op_name": "", "inner": []}) == LAYOUT
-    assert classify({"opcode": "fusion", "op_name": "", "inner": []}) == OTHER
+    assert classify(HloOp("fusion", "", tuple(router))) == FAMILIES["router"]
+    assert classify(HloOp("copy", "")) == LAYOUT
+    assert classify(HloOp("fusion", "")) == OTHER
     assert classify(None) == OTHER
 
 
@@ -65,6 +65,6 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 }
 """
     ops = hlo_ops(text)
-    assert ops["fusion.3"] == {"opcode": "fusion", "op_name": "", "inner": ["jit(f)/router/exp"]}
+    assert ops["fusion.3"] == HloOp("fusion", "", ("jit(f)/router/exp",))
     assert classify(ops["fusion.3"]) == FAMILIES["router"]
     assert classify(ops["copy.2"]) == LAYOUT
