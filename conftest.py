@@ -62,9 +62,9 @@ def _cost(item) -> float:
 
 
 def pytest_collection_modifyitems(items):
-    """The costliest tests first (`pytest.mark.cost`), collection order otherwise: xdist hands
-    out modules (the gate) and tests (the slow stage) in this order, so the long ones start
-    early and the short ones fill in beside them."""
+    """The costliest tests first (`pytest.mark.cost`: the slow stage's epoch and injected
+    faults), collection order otherwise: the slow stage's work-stealing xdist starts the long
+    ones at once and the others fill in beside them."""
     items.sort(key=lambda item: -_cost(item))
 
 

@@ -18,8 +18,6 @@ from goldens.oracle import MIXERS
 from tests.compare import assert_formula_parity, assert_rounding_parity
 from tests.micro_olmo_core import WEIGHTS, block_outputs, mixer_outputs, olmo_core_model
 
-pytestmark = pytest.mark.cost(83)
-
 CASES = [
     *(pytest.param(f"block_{k}", block_outputs, id=f"block_{k}") for k in BLOCKS),
     *(pytest.param(f"mixer_{k}", mixer_outputs, id=f"mixer_{k}") for k in MIXERS),

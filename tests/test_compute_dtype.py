@@ -27,8 +27,6 @@ from model.objective import model_terms_fn
 from model.transformer import Transformer
 from tests.compare import assert_close
 
-pytestmark = pytest.mark.cost(49)
-
 B, T = 2, 40
 X64_RECIPE = 'jax.config.update("jax_enable_x64", True)'
 

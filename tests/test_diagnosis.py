@@ -31,8 +31,6 @@ from parity.run import Run, micro_batches
 from parity.trace import load_trace
 from tests.compare import assert_close
 
-pytestmark = pytest.mark.cost(69)
-
 STEPS = 2
 GATE_CANDIDATES = ["aux_mean"]
 """One compile: OLMo-core's own run at step 1 is the replay's (tests/test_replay.py), every

@@ -18,8 +18,6 @@ from model.kda_chunk import chunk_kda, invert_unit_lower, kda_chunk_system, recu
 from tests.compare import assert_close
 from tests.modules import apply, module_vjp
 
-pytestmark = pytest.mark.cost(39)
-
 INPUTS = ("q", "k", "v", "g", "beta")
 
 

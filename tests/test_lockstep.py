@@ -32,8 +32,6 @@ from parity.run import Run
 from parity.trace import load_trace
 from tests.lockstep_faults import FAULTS, ROUTER
 
-pytestmark = pytest.mark.cost(131)
-
 STEPS = 5
 MESH = "fsdp=4,expert=2"
 

@@ -24,8 +24,6 @@ from parity.lockstep_check import check_step, lockstep_record, trace_check, trac
 from parity.run import Run
 from parity.trace import load_trace
 
-pytestmark = pytest.mark.cost(104)
-
 FIRST, LAST = 10, 12
 LR_FAULT = InjectedFault(LAST, train_scale=(("lr", 1.001),))
 

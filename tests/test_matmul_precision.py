@@ -19,8 +19,6 @@ from model.objective import model_terms_fn
 from model.precision import matmul_precision
 from model.state import abstract_params
 
-pytestmark = pytest.mark.cost(38)
-
 DOTS = ("dot_general", "ragged_dot_general")
 MOST_MATMULS_OF_THE_STEP = 300
 """The micro train step (GA 2, remat "full") traces more dots than this: forward, recomputed

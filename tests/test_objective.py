@@ -44,8 +44,6 @@ MODEL = c.ModelConfig(
     ),
 )
 
-pytestmark = pytest.mark.cost(100)
-
 
 def _config(global_lb: bool) -> c.Config:
     cfg = c.olmo_core(c.Config(model=MODEL, train=c.micro().train))

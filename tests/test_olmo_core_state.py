@@ -33,8 +33,6 @@ from parity.trace import STATE, load_trace
 from tests.compare import assert_close
 from tests.micro_olmo_core import CFG, eval_logits
 
-pytestmark = pytest.mark.cost(37)
-
 EXPORTED, RESUMED = 10, 49
 """The trace's params exported (a snapshot step); the step whose saved state is resumed."""
 FAULT = "blocks.4.attention.w_v.weight"

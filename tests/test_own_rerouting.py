@@ -14,8 +14,6 @@ from parity import cli
 from parity import own_rerouting as own
 from parity.trace import load_trace
 
-pytestmark = pytest.mark.cost(37)
-
 
 def _one_percent(model, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)

@@ -21,8 +21,6 @@ from parity import cli, replay
 from parity.trace import load_trace
 from tests.compare import assert_close
 
-pytestmark = pytest.mark.cost(65)
-
 STEPS = 5
 
 

@@ -20,8 +20,6 @@ from parity.run import MeshShape, Run, parts_at
 from parity.trace import load_trace
 from tests.compare import assert_close, assert_gaps_within, leaf_gaps
 
-pytestmark = pytest.mark.cost(60)
-
 MESHES = [
     pytest.param(1, 8, 1, marks=pytest.mark.slow),
     (2, 2, 2),

@@ -35,8 +35,6 @@ from parity.train import (
 from parity.train_data import DataFiles
 from tests.compare import assert_close
 
-pytestmark = pytest.mark.cost(197)
-
 STEPS = 3
 MESH = MeshShape(fsdp=4, expert=2)
 """Lockstep's gate mesh."""

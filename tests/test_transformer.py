@@ -18,8 +18,6 @@ from model.convert import from_olmo_core, to_olmo_core
 from tests.compare import assert_close, assert_formula_parity, assert_rounding_parity
 from tests.micro_olmo_core import CFG, WEIGHTS, eval_logits, model_outputs, olmo_core_model
 
-pytestmark = pytest.mark.cost(93)
-
 
 @pytest.fixture(scope="module")
 def olmo_core(golden):
