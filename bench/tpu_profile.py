@@ -76,8 +76,10 @@ def run() -> dict[str, float]:
         done = subprocess.run(child, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"bench tpu-profile failed:\n{done.stderr[-3000:]}")
-        rows = split(Path(work))
-    return {f"{row['family']}.{key}": row[key] for row in rows for key in ("seconds", "share")}
+        rows = _split(Path(work))
+    return {
+        f"{row.family}.{key}": getattr(row, key) for row in rows for key in ("seconds", "share")
+    }
 
 
 def summary(figures: dict[str, float]) -> list[str]:
