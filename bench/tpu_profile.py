@@ -35,21 +35,10 @@ def _split(work: Path) -> list[FamilyTime]:
 def capture(work: Path) -> None:
     """Trace `STEPS` steps of the slice after `WARMUP` on this host's TPU into `work`."""
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    from bench.tpu_step import micro_batches, slice_config
-    from model import train_step as ts
-    from model.state import compiled_train_step, make_model
+    from bench.tpu_step import slice_step
 
-    if jax.default_backend() != "tpu":
-        raise SystemExit(f"bench tpu-profile needs a TPU: JAX runs on {jax.default_backend()}")
-    cfg = slice_config("default")
-    graphdef, params = nnx.split(make_model(cfg))
-    state = jax.tree.map(jnp.copy, ts.init_state(params, cfg))
-    del params
-    batch = micro_batches(cfg)
-    compiled = compiled_train_step(cfg, graphdef, donate=True).lower(state, batch).compile()
+    _, state, batch, compiled, _ = slice_step("default", "tpu-profile")
     ops = {name: dataclasses.asdict(op) for name, op in hlo_ops(compiled.as_text()).items()}
     (work / "ops.json").write_text(json.dumps(ops))
     for _ in range(WARMUP):

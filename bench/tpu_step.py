@@ -68,11 +68,13 @@ def micro_batches(cfg: c.Config) -> dict[str, jax.Array]:
     return {k: jnp.asarray(v) for k, v in (batch | {"pool_draws": draws}).items()}
 
 
-def measure(precision: str) -> dict[str, float]:
-    """The figures of one precision, in this process (which holds the chip)."""
+def slice_step(precision: str, bench: str):
+    """The slice at `precision` on this host's TPU (`bench` names the caller in the error
+    elsewhere): (config, its initial train state, its micro-batches, the whole step compiled
+    with the state donated, seconds the compile took)."""
     cfg = slice_config(precision)
     if jax.default_backend() != "tpu":
-        raise SystemExit(f"bench tpu-step needs a TPU: JAX runs on {jax.default_backend()} here")
+        raise SystemExit(f"bench {bench} needs a TPU: JAX runs on {jax.default_backend()} here")
     graphdef, params = nnx.split(make_model(cfg))
     state = jax.tree.map(jnp.copy, ts.init_state(params, cfg))  # one buffer a leaf, to donate
     del params  # the state holds its own copy; two would not fit beside the step's temporaries
@@ -80,7 +82,12 @@ def measure(precision: str) -> dict[str, float]:
     step = compiled_train_step(cfg, graphdef, donate=True)
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
+    return cfg, state, batch, compiled, time.perf_counter() - start
+
+
+def measure(precision: str) -> dict[str, float]:
+    """The figures of one precision, in this process (which holds the chip)."""
+    cfg, state, batch, compiled, compile_s = slice_step(precision, "tpu-step")
     plan = compiled.memory_analysis()
     holder = [state]
 
