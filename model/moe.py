@@ -81,14 +81,12 @@ def megablox_matmul(
     backward is its own `tgmm`), tiles of up to `MEGABLOX_TILE`; `interpret`: Pallas's
     interpreter, on any backend. Its blocks need widths (K, N) in whole `TPU_LANES`; narrower
     experts (the micro config's) go to `ragged_matmul`. The kernel leaves the rows past the last
-    group unwritten, in its output and in its gradient with respect to x: both are zeroed here."""
+    group unwritten, in its output and in its gradient with respect to x: the caller reads
+    neither (`routed_experts`)."""
     if any(n % TPU_LANES for n in w.shape[1:]):
         return ragged_matmul(x, w, group_sizes)
     tiling = tuple(min(MEGABLOX_TILE, n) for n in (x.shape[0], *w.shape[1:]))
-    grouped = (jnp.arange(x.shape[0]) < jnp.sum(group_sizes))[:, None]
-    x = jnp.where(grouped, x, 0)
-    y = _gmm(x, w, group_sizes, tiling, interpret, kernel_precision(x.dtype, w.dtype))
-    return jnp.where(grouped, y, 0)
+    return _gmm(x, w, group_sizes, tiling, interpret, kernel_precision(x.dtype, w.dtype))
 
 
 def kernel_precision(*dtypes) -> str | None:
@@ -137,16 +135,21 @@ def routed_experts(
     """Dropless grouped dispatch, same arguments and result as `naive_routed_experts`: token slots
     sorted by expert (stable), two grouped matmuls (`matmul`: `ragged_matmul` or
     `megablox_matmul`), slots put back and summed over k. Slots of index E sort last, outside
-    every group: their rows stay zero."""
+    every group, where `matmul` may leave its output and its gradient unwritten: their rows are
+    gathered as zeros (their gradient dropped) and read back as zeros. Group sizes are counted
+    by comparison, not by `bincount`, a scatter-add that XLA's TPU backend runs as a sort."""
     N, k = indices.shape
     E = w_up_gate.shape[0]
     flat = indices.reshape(-1)  # shape: [N*k], slot s = token s // k
     order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    rows = z[order // k]  # shape: [N*k, L], grouped by expert
+    group_sizes = expert_counts(flat, E)
+    grouped = jnp.arange(N * k) < jnp.sum(group_sizes)  # the rows of slots of index E sort last
+    token = jnp.where(grouped, order // k, N)  # shape: [N*k], grouped by expert; N: none
+    rows = z.at[token].get(mode="fill", fill_value=0)  # shape: [N*k, L]
     h = swiglu(matmul(rows, jnp.swapaxes(w_up_gate, 1, 2), group_sizes))
     out = matmul(h, w_down, group_sizes)  # shape: [N*k, L]
-    slots = out[jnp.argsort(order)].reshape(N, k, -1)
+    row = jnp.where(flat < E, jnp.argsort(order), N * k)  # each slot's row; N*k: none
+    slots = out.at[row].get(mode="fill", fill_value=0).reshape(N, k, -1)
     return jnp.sum(weights[..., None] * slots, axis=1)
 
 

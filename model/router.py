@@ -85,6 +85,13 @@ def pool_keep_mask(scores: jax.Array, pools: jax.Array) -> jax.Array:
     return ranks < pools[..., None]
 
 
+def chosen(probs: jax.Array, indices: jax.Array) -> jax.Array:
+    """probs [..., E] at indices [..., k] (distinct): each the one term of a masked sum over E,
+    exact, where `take_along_axis` would gather (and scatter its gradient: slow on TPU)."""
+    picked = indices[..., None] == jnp.arange(probs.shape[-1])  # shape: [..., k, E]
+    return jnp.sum(jnp.where(picked, probs[..., None, :], 0.0), axis=-1)
+
+
 def route(
     logits: jax.Array, *, top_k: int, normalize: bool, restore_weight_scale: bool, keep=None
 ) -> Routing:
@@ -93,7 +100,7 @@ def route(
     probs = jax.nn.softmax(logits, axis=-1)
     selection = probs if keep is None else jnp.where(keep, probs, -jnp.inf)
     _, indices = jax.lax.top_k(selection, top_k)  # shape: [B, T, E] -> [B, T, k]
-    weights = jnp.take_along_axis(probs, indices, axis=-1)
+    weights = chosen(probs, indices)
     if normalize:  # F.normalize(p=1): w / max(|w|_1, 1e-12)
         weights = weights / jnp.maximum(jnp.sum(jnp.abs(weights), -1, keepdims=True), 1e-12)
     if restore_weight_scale:

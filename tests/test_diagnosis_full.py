@@ -1,4 +1,4 @@
-"""Every diagnosis candidate on the golden batch (`tox -e slow`): a 5-step ablation of OLMo-core's
+"""Every diagnosis candidate on the golden batch (`tox -e slow`): a 2-step ablation of OLMo-core's
 trace through the report generator, and at step 1, where every run starts from OLMo-core's weights,
 each candidate's code path changes what it should and nothing it should not."""
 
@@ -24,7 +24,7 @@ from tests.compare import assert_close
 @pytest.fixture(scope="module")
 def step_1(tmp_path_factory):
     out = tmp_path_factory.mktemp("diagnosis")
-    assert diagnosis.main(["--steps", "5", "--out", str(out)]) == 0
+    assert diagnosis.main(["--steps", "2", "--out", str(out)]) == 0
     record = json.loads((out / "diagnosis.json").read_text())
     assert (out / "diagnosis.md").read_text().count("| `") == len(record["candidates"])
     return {c["name"]: {k: v[0] for k, v in c["gaps"].items()} for c in record["candidates"]}

@@ -24,10 +24,38 @@ from model.moe import (
 from tests.compare import assert_close
 
 
+def _unwritten_past_the_groups(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    past = jnp.arange(y.shape[0]) >= jnp.sum(group_sizes)
+    return jnp.where(past[:, None], jnp.nan, y)
+
+
+@jax.custom_vjp
+def unwritten_matmul(x, w, group_sizes):
+    """`ragged_matmul` under megablox's contract: the rows past the last group come out NaN, in
+    the output and in the gradient with respect to x (the kernel leaves them unwritten); the
+    weights' gradient reads the groups' rows only."""
+    return _unwritten_past_the_groups(jax.lax.ragged_dot(x, w, group_sizes), group_sizes)
+
+
+def _unwritten_fwd(x, w, group_sizes):
+    return unwritten_matmul(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _unwritten_bwd(residuals, dy):
+    x, w, group_sizes = residuals
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
+    dx, dw = vjp(jnp.nan_to_num(_unwritten_past_the_groups(dy, group_sizes), nan=0.0))
+    return _unwritten_past_the_groups(dx, group_sizes), dw, None
+
+
+unwritten_matmul.defvjp(_unwritten_fwd, _unwritten_bwd)
+
+
 @pytest.mark.parametrize(
     ("dispatch", "widths"),
     [
         (routed_experts, (8, 12)),
+        (functools.partial(routed_experts, matmul=unwritten_matmul), (8, 12)),
         (functools.partial(tiled_routed_experts, tile=4), (8, 12)),
         (
             functools.partial(
@@ -36,13 +64,14 @@ from tests.compare import assert_close
             (TPU_LANES, TPU_LANES),
         ),
     ],
-    ids=["ragged_dot", "tiles", "megablox"],
+    ids=["ragged_dot", "unwritten_rows", "tiles", "megablox"],
 )
 def test_grouped_dispatch_matches_the_spec(dispatch, widths):
     """Every dispatch gives every expert on every token, values and gradients, with an expert
     that gets no token, tokens whose two experts are far apart in the order, slots of index E
     (another device's expert: nothing) and (tiles of 4 rows) part-filled and spare tiles. `widths`:
-    the latent and expert widths L, H (megablox: whole TPU lanes, in Pallas's interpreter)."""
+    the latent and expert widths L, H (megablox: whole TPU lanes, in Pallas's interpreter, which
+    may write rows a chip leaves unwritten: `unwritten_matmul` makes them NaN)."""
     (L, H), N, E, k = widths, 48, 6, 2
     rng = np.random.default_rng(0)
     indices = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(N)])  # E-1: unused
