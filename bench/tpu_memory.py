@@ -1,6 +1,7 @@
-"""`python -m bench.tpu_memory [--config hero|micro] [--remat POLICY ...]`: the hero's whole train
-step compiled for a TPU topology on this CPU, without a TPU (deviceless ahead-of-time compilation,
-as MaxText's `train_compile.py`), and its per-device memory as XLA's TPU compiler plans it.
+"""`python -m bench.tpu_memory [--config hero|micro] [--remat POLICY ...] [--jobs N]`: the hero's
+whole train step compiled for a TPU topology on this CPU, without a TPU (deviceless ahead-of-time
+compilation, as MaxText's `train_compile.py`), and its per-device memory as XLA's TPU compiler
+plans it.
 
 The seed's setup: `olmo35_tiny`, seq 8192, 2,048 sequences a step, GA 2; v4 8x8x16 megacore (1,024
 devices), expert 4 x fsdp 256, one sequence per device per micro-batch; dropless MoE; bfloat16
@@ -12,7 +13,8 @@ memory at the compiler's peak (the ops of its live-range report), and the collec
 program has and seq-major's has not (from the optimized HLO). Then one line per remat policy.
 
 Run by `tox -e tpu-aot` (its own environment, with libtpu), which writes `docs/tpu_memory.json`
-and `docs/tpu_memory.md`; `--config micro` is the same on v4 2x2x1 in a few minutes.
+and `docs/tpu_memory.md`; `--config micro` is the same on v4 2x2x1 in a few minutes. Each compile
+runs in a process of its own, mostly on one core, `--jobs` at a time (CI: the micro config's 2).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -270,14 +273,16 @@ def _hidden_state_bytes(target: Target) -> int:
     return rows * seq * d * jnp.dtype(cfg.model.compute_dtype).itemsize
 
 
-def measure(name: str, remats: list[str]) -> dict:
-    """Every variant with the target's remat policy, then seq-major with each of `remats`."""
+def measure(name: str, remats: list[str], jobs: int = 1) -> dict:
+    """Every variant with the target's remat policy, then seq-major with each of `remats`,
+    `jobs` compiles at a time (each in a process of its own, mostly on one core)."""
     target = TARGETS[name]
-    variants = {v: _in_child(name, v, target.remat) for v in VARIANTS}
-    policies = {
-        r: variants["seq-major"] if r == target.remat else _in_child(name, "seq-major", r)
-        for r in remats
-    }
+    runs = [(v, target.remat) for v in VARIANTS]
+    runs += [("seq-major", r) for r in remats if r != target.remat]
+    with ThreadPoolExecutor(jobs) as pool:
+        done = dict(zip(runs, pool.map(lambda run: _in_child(name, *run), runs), strict=True))
+    variants = {v: done[v, target.remat] for v in VARIANTS}
+    policies = {r: done["seq-major", r] for r in remats}
     return {
         "config": name,
         "target": dataclasses.asdict(target),
@@ -437,14 +442,22 @@ def main(argv: list[str] | None = None) -> None:
         "--remat", nargs="*", choices=c.REMAT_POLICIES, default=list(c.REMAT_POLICIES)
     )
     parser.add_argument("--out", type=Path, default=DOCS)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="compiles at a time (default 1: a hero compile takes up to 11 GiB of host memory)",
+    )
     parser.add_argument("--compile", nargs=2, metavar=("VARIANT", "REMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if jax.default_backend() != "cpu":
         raise SystemExit("bench.tpu_memory compiles for TPU on a CPU: set JAX_PLATFORMS=cpu")
     if args.compile:
         print(json.dumps(_record(compile_variant(args.config, *args.compile))))
         return
-    record = measure(args.config, args.remat)
+    record = measure(args.config, args.remat, args.jobs)
     stem = "tpu_memory" if args.config == "hero" else f"tpu_memory_{args.config}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
