@@ -24,9 +24,9 @@ from model.moe import (
 from tests.compare import assert_close
 
 
-def _unwritten_past_the_groups(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    past = jnp.arange(y.shape[0]) >= jnp.sum(group_sizes)
-    return jnp.where(past[:, None], jnp.nan, y)
+def _past_the_groups(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """[M, 1]: True for the rows of x after the last group."""
+    return (jnp.arange(x.shape[0]) >= jnp.sum(group_sizes))[:, None]
 
 
 @jax.custom_vjp
@@ -34,7 +34,8 @@ def unwritten_matmul(x, w, group_sizes):
     """`ragged_matmul` under megablox's contract: the rows past the last group come out NaN, in
     the output and in the gradient with respect to x (the kernel leaves them unwritten); the
     weights' gradient reads the groups' rows only."""
-    return _unwritten_past_the_groups(jax.lax.ragged_dot(x, w, group_sizes), group_sizes)
+    y = jax.lax.ragged_dot(x, w, group_sizes)
+    return jnp.where(_past_the_groups(y, group_sizes), jnp.nan, y)
 
 
 def _unwritten_fwd(x, w, group_sizes):
@@ -44,8 +45,9 @@ def _unwritten_fwd(x, w, group_sizes):
 def _unwritten_bwd(residuals, dy):
     x, w, group_sizes = residuals
     _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
-    dx, dw = vjp(jnp.nan_to_num(_unwritten_past_the_groups(dy, group_sizes), nan=0.0))
-    return _unwritten_past_the_groups(dx, group_sizes), dw, None
+    past = _past_the_groups(dy, group_sizes)
+    dx, dw = vjp(jnp.where(past, 0.0, dy))
+    return jnp.where(past, jnp.nan, dx), dw, None
 
 
 unwritten_matmul.defvjp(_unwritten_fwd, _unwritten_bwd)
@@ -70,8 +72,8 @@ def test_grouped_dispatch_matches_the_spec(dispatch, widths):
     """Every dispatch gives every expert on every token, values and gradients, with an expert
     that gets no token, tokens whose two experts are far apart in the order, slots of index E
     (another device's expert: nothing) and (tiles of 4 rows) part-filled and spare tiles. `widths`:
-    the latent and expert widths L, H (megablox: whole TPU lanes, in Pallas's interpreter, which
-    may write rows a chip leaves unwritten: `unwritten_matmul` makes them NaN)."""
+    the latent and expert widths L, H (megablox: whole TPU lanes, in Pallas's interpreter;
+    `unwritten_matmul`: the rows past the groups NaN, as a chip may leave them)."""
     (L, H), N, E, k = widths, 48, 6, 2
     rng = np.random.default_rng(0)
     indices = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(N)])  # E-1: unused
