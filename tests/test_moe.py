@@ -18,6 +18,7 @@ from model.moe import (
     LatentMoE,
     megablox_matmul,
     naive_routed_experts,
+    ragged_matmul,
     routed_experts,
     tiled_routed_experts,
 )
@@ -34,7 +35,7 @@ def unwritten_matmul(x, w, group_sizes):
     """`ragged_matmul` under megablox's contract: the rows past the last group come out NaN, in
     the output and in the gradient with respect to x (the kernel leaves them unwritten); the
     weights' gradient reads the groups' rows only."""
-    y = jax.lax.ragged_dot(x, w, group_sizes)
+    y = ragged_matmul(x, w, group_sizes)
     return jnp.where(_past_the_groups(y, group_sizes), jnp.nan, y)
 
 
@@ -44,7 +45,7 @@ def _unwritten_fwd(x, w, group_sizes):
 
 def _unwritten_bwd(residuals, dy):
     x, w, group_sizes = residuals
-    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
+    _, vjp = jax.vjp(lambda x, w: ragged_matmul(x, w, group_sizes), x, w)
     past = _past_the_groups(dy, group_sizes)
     dx, dw = vjp(jnp.where(past, 0.0, dy))
     return jnp.where(past, jnp.nan, dx), dw, None
