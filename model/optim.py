@@ -15,6 +15,7 @@ differently (its clipping has no 1e-6, its schedules count optimizer updates).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -112,7 +113,7 @@ def resume(params, cfg: Config, *, mu, nu, count: int, losses, grad_norms) -> Op
     """The optimizer state of a run stopped after `count` Adam updates: its moments `mu`, `nu`
     (pytrees like `params`) and the skip rule's last <= window + 1 losses and grad norms (oldest
     first), as `OLMoDDPOptimizer` holds them in `states` and `_losses` / `_grad_norms`."""
-    state = init(params, cfg)
+    state = jax.eval_shape(functools.partial(init, cfg=cfg), params)  # each leaf replaced below
     size = state.skip.losses.shape[0]
     if len(losses) != len(grad_norms) or len(losses) > size:
         raise ValueError(

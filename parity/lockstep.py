@@ -268,6 +268,16 @@ def jax_step(trace: GoldenTrace, run: Run, model, olmo_core: OlmoCoreStep) -> St
     return StepResult(_ours(grads, cfg), _state(after, cfg), metrics, _state(alone, cfg))
 
 
+@dataclass(frozen=True)
+class JaxSide:
+    """One JAX side of a lockstep run: its `run`, its `last` step, and `on_step(olmo_core,
+    ours)` after each of its steps."""
+
+    run: Run
+    last: int
+    on_step: Callable[[OlmoCoreStep, StepResult], None]
+
+
 def lockstep(
     trace: GoldenTrace,
     run: Run,
@@ -281,30 +291,55 @@ def lockstep(
     With `overlap`, the JAX step s and `on_step` run on their own thread beside OLMo-core's step
     s + 1 (at most one step behind; an error there stops the run at OLMo-core's next step);
     without, one after the other."""
-    if first not in trace.starts or first > steps:
+    lockstep_sides(trace, [JaxSide(run, steps, on_step)], first=first, overlap=overlap)
+
+
+def lockstep_sides(
+    trace: GoldenTrace, sides: list[JaxSide], *, first: int = 1, overlap: bool = True
+) -> None:
+    """`lockstep` of several JAX sides against one OLMo-core run from step `first` to the last
+    side's last step: at each step, every side whose `last` it has not passed steps from
+    OLMo-core's state, in the order given (the injected faults share OLMo-core's steps)."""
+    if first not in trace.starts or any(first > side.last for side in sides):
         raise ValueError(
             f"lockstep runs steps first..steps from one of the steps {trace.starts}, got "
-            f"first={first}, steps={steps}"
+            f"first={first}, steps={[side.last for side in sides]}"
         )
-    cfg = run.config
-    model = nnx.split(from_olmo_core(trace.params(0), cfg.model, flags=cfg.flags))
+    models = {}
+    for side in sides:
+        cfg = side.run.config
+        if (cfg.model, cfg.flags) not in models:
+            models[cfg.model, cfg.flags] = nnx.split(
+                from_olmo_core(trace.params(0), cfg.model, flags=cfg.flags)
+            )
 
     def step(olmo_core: OlmoCoreStep) -> None:
-        on_step(olmo_core, jax_step(trace, run, model, olmo_core))
-        # a step's modules and states sit in reference cycles: freed now, not ~45 MB a step later
+        for side in (side for side in sides if olmo_core.step <= side.last):
+            cfg = side.run.config
+            ours = jax_step(trace, side.run, models[cfg.model, cfg.flags], olmo_core)
+            side.on_step(olmo_core, ours)
+        # A step's modules and states sit in reference cycles: freed now, not ~45 MB a step
+        # later. What lives after the first step (both models, compiled code) is frozen out of
+        # the collections, which then walk one step's objects: 0.5 s less a step.
         gc.collect()
+        if olmo_core.step == first:
+            gc.freeze()
 
-    if not overlap:
-        run_olmo_core(trace, steps, step, first=first)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="lockstep-jax") as jax_side:
-        behind: list[Future] = []
+    steps = max(side.last for side in sides)
+    try:
+        if not overlap:
+            run_olmo_core(trace, steps, step, first=first)
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="lockstep-jax") as jax_side:
+            behind: list[Future] = []
 
-        def hand_over(olmo_core: OlmoCoreStep) -> None:
+            def hand_over(olmo_core: OlmoCoreStep) -> None:
+                if behind:
+                    behind.pop().result()
+                behind.append(jax_side.submit(step, olmo_core))
+
+            run_olmo_core(trace, steps, hand_over, first=first)
             if behind:
                 behind.pop().result()
-            behind.append(jax_side.submit(step, olmo_core))
-
-        run_olmo_core(trace, steps, hand_over, first=first)
-        if behind:
-            behind.pop().result()
+    finally:
+        gc.unfreeze()
