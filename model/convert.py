@@ -13,6 +13,7 @@ param they fill (float64 in a float64 model, float32 otherwise); exporting keeps
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -205,10 +206,20 @@ def from_olmo_core(state_dict: Mapping, cfg: ModelConfig, *, flags: Flags | None
     params for "float64": compare with OLMo-core's model after `.to(torch.float64)`). `flags` sets
     the mixers' switches; None is OLMo-core's behaviour (mixers see the whole instance). No random
     init: the module is built from abstract shapes and every param comes from the state dict."""
-    flags = flags or Flags(olmoe3_mixers_ignore_segment_ids=True)
-    model = nnx.eval_shape(lambda: Transformer.of(cfg, flags, rngs=nnx.Rngs(0)))
+    model = abstract_transformer(cfg, flags or Flags(olmoe3_mixers_ignore_segment_ids=True))
     load_olmo_core(model, state_dict, model_entries(cfg))
     return model
+
+
+@functools.cache
+def _abstract_parts(cfg: ModelConfig, flags: Flags) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Transformer.of(cfg, flags, rngs=nnx.Rngs(0))))
+
+
+def abstract_transformer(cfg: ModelConfig, flags: Flags) -> Transformer:
+    """A new `Transformer` of `cfg` with abstract params (`jax.ShapeDtypeStruct`s), nothing
+    allocated. Its init is traced once per config and flags: tracing it takes seconds."""
+    return nnx.merge(*_abstract_parts(cfg, flags))
 
 
 def to_olmo_core(model) -> dict[str, np.ndarray]:

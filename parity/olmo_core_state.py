@@ -28,8 +28,7 @@ from goldens.train_state import GRAD_NORMS, LOSSES, SUFFIXES
 from model import optim
 from model import train_step as ts
 from model.config import Config, Flags, ModelConfig
-from model.convert import like_params, model_entries, params_to_olmo_core
-from model.transformer import Transformer
+from model.convert import abstract_transformer, like_params, model_entries, params_to_olmo_core
 
 Tensors = dict[str, np.ndarray]
 """OLMo-core parameter name (as `OLMoDDPModel.state_dict()`) -> array in OLMo-core's layout."""
@@ -67,7 +66,7 @@ def _olmo_core_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
 def olmo_core_shapes(cfg: ModelConfig) -> Mapping[str, tuple[int, ...]]:
     """Each `OLMoDDPModel` parameter's shape by its state-dict key, from our params' shapes
     (nothing allocated; read-only, computed once per config) through `model_entries`."""
-    model = nnx.eval_shape(lambda: Transformer.of(cfg, Flags(), rngs=nnx.Rngs(0)))
+    model = abstract_transformer(cfg, Flags())
     ours = {p: v.get_value().shape for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     shapes = {e.torch_key: _olmo_core_shape(ours[e.path], e.layout) for e in model_entries(cfg)}
     return MappingProxyType(shapes)
