@@ -212,14 +212,16 @@ def from_olmo_core(state_dict: Mapping, cfg: ModelConfig, *, flags: Flags | None
 
 
 @functools.cache
-def _abstract_parts(cfg: ModelConfig, flags: Flags) -> tuple[nnx.GraphDef, nnx.State]:
+def _abstract_parts(cfg: ModelConfig, flags: Flags, x64: bool) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Transformer.of(cfg, flags, rngs=nnx.Rngs(0))))
 
 
 def abstract_transformer(cfg: ModelConfig, flags: Flags) -> Transformer:
     """A new `Transformer` of `cfg` with abstract params (`jax.ShapeDtypeStruct`s), nothing
-    allocated. Its init is traced once per config and flags: tracing it takes seconds."""
-    return nnx.merge(*_abstract_parts(cfg, flags))
+    allocated. Its init is traced once per config, flags and x64 mode (tracing it takes
+    seconds); each call copies it."""
+    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+    return nnx.merge(*_abstract_parts(cfg, flags, x64), copy=True)
 
 
 def to_olmo_core(model) -> dict[str, np.ndarray]:

@@ -38,6 +38,18 @@ def test_round_trip_is_bit_exact(olmo_core_state_dict):
         np.testing.assert_array_equal(back[key], value, err_msg=key)
 
 
+def test_each_model_holds_its_own_weights(olmo_core_state_dict):
+    """Models built one after another (from one abstract module, traced once) share no
+    variable: loading the second leaves the first's weights."""
+    negated = {k: -v for k, v in olmo_core_state_dict.items()}
+    first = from_olmo_core(olmo_core_state_dict, CFG)
+    second = from_olmo_core(negated, CFG)
+    for model, expected in ((first, olmo_core_state_dict), (second, negated)):
+        back = to_olmo_core(model)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(back[key], value, err_msg=key)
+
+
 def test_tensors_like_the_params_round_trip_and_leave_the_params(olmo_core_state_dict):
     """`like_params` (Adam moments, gradients keyed as the state dict) gives a new state in the
     params' layout: back through `params_to_olmo_core` bit-exact, the params unchanged."""
