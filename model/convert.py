@@ -213,6 +213,7 @@ def from_olmo_core(state_dict: Mapping, cfg: ModelConfig, *, flags: Flags | None
 
 @functools.cache
 def _abstract_parts(cfg: ModelConfig, flags: Flags, x64: bool) -> tuple[nnx.GraphDef, nnx.State]:
+    """`x64` (JAX's x64 mode when traced) only keys the cache: the traced dtypes follow it."""
     return nnx.split(nnx.eval_shape(lambda: Transformer.of(cfg, flags, rngs=nnx.Rngs(0))))
 
 
