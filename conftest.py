@@ -7,6 +7,7 @@ file and how to regenerate it.
 chips, with the CPU beside them; elsewhere the CPU alone, and those tests skip saying so.
 `--tpu-record PATH` writes what they measured, for docs/tpu.md (`python -m bench.tpu_leg`)."""
 
+import contextlib
 import getpass
 import json
 import os
@@ -56,16 +57,50 @@ def pytest_configure(config):
         jax.config.update("jax_platforms", "")
 
 
+CRITICAL_PATH_COST = 1000
+"""A test at least this costly (`pytest.mark.cost`: the slow stage's epoch) sets the stage's
+length by itself."""
+BESIDE_CRITICAL_PATH_NICENESS = 15
+"""The niceness an xdist worker takes when it runs any other test in a session that holds one:
+on 2 cores the epoch (OLMo-core's one torch thread and the JAX side) then keeps its own pace and
+the other tests take the CPU it leaves, instead of sharing it evenly and stretching the epoch."""
+
+
 def _cost(item) -> float:
     mark = item.get_closest_marker("cost")
     return 0.0 if mark is None else mark.args[0]
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """The costliest tests first (`pytest.mark.cost`: the slow stage's epoch and injected
     faults), collection order otherwise: the slow stage's work-stealing xdist starts the long
     ones at once and the others fill in beside them."""
     items.sort(key=lambda item: -_cost(item))
+    config.stash[_HOLDS_CRITICAL_PATH] = any(_cost(i) >= CRITICAL_PATH_COST for i in items)
+
+
+_HOLDS_CRITICAL_PATH = pytest.StashKey[bool]()
+_NICE = pytest.StashKey[bool]()
+
+
+def pytest_runtest_setup(item):
+    """An xdist worker running a test beside the critical path lowers its CPU priority, once
+    (an unprivileged process cannot raise it again; the worker that starts with the epoch keeps
+    its own)."""
+    config = item.config
+    beside = config.stash.get(_HOLDS_CRITICAL_PATH, False) and _cost(item) < CRITICAL_PATH_COST
+    if beside and os.environ.get("PYTEST_XDIST_WORKER") and not config.stash.get(_NICE, False):
+        _lower_priority(BESIDE_CRITICAL_PATH_NICENESS)
+        config.stash[_NICE] = True
+
+
+def _lower_priority(niceness: int) -> None:
+    """Every thread of this process (Linux gives each its own niceness: XLA's pool is already
+    running) and those it starts later take `niceness`."""
+    tasks = Path("/proc/self/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
 
 
 @pytest.fixture(scope="session")
