@@ -64,6 +64,8 @@ BESIDE_CRITICAL_PATH_NICENESS = 15
 """The niceness an xdist worker takes when it runs any other test in a session that holds one:
 on 2 cores the epoch (OLMo-core's one torch thread and the JAX side) then keeps its own pace and
 the other tests take the CPU it leaves, instead of sharing it evenly and stretching the epoch."""
+_HOLDS_CRITICAL_PATH = pytest.StashKey[bool]()
+_NICE = pytest.StashKey[bool]()
 
 
 def _cost(item) -> float:
@@ -77,10 +79,6 @@ def pytest_collection_modifyitems(config, items):
     ones at once and the others fill in beside them."""
     items.sort(key=lambda item: -_cost(item))
     config.stash[_HOLDS_CRITICAL_PATH] = any(_cost(i) >= CRITICAL_PATH_COST for i in items)
-
-
-_HOLDS_CRITICAL_PATH = pytest.StashKey[bool]()
-_NICE = pytest.StashKey[bool]()
 
 
 def pytest_runtest_setup(item):
