@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from goldens.store import Golden, GoldenError, load_golden  # noqa: E402
+from parity.tpu_runtime import TRANSCENDENTALS, use_transcendentals  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -50,11 +51,24 @@ def pytest_addoption(parser):
         default=None,
         help="with -m tpu on a TPU host: write what the TPU tests measured to this JSON file",
     )
+    parser.addoption(
+        "--tpu-transcendentals",
+        choices=TRANSCENDENTALS,
+        default="accurate",
+        help="with -m tpu: libtpu's float32 exp and log family (parity.tpu_runtime; accurate)",
+    )
 
 
 def pytest_configure(config):
     if config.option.markexpr == TPU_MARK:  # JAX's backend has not started yet
         jax.config.update("jax_platforms", "")
+        use_transcendentals(config.option.tpu_transcendentals)
+
+
+@pytest.fixture(scope="session")
+def tpu_transcendentals(request) -> str:
+    """The float32 transcendentals this session asked libtpu for (`--tpu-transcendentals`)."""
+    return request.config.option.tpu_transcendentals
 
 
 CRITICAL_PATH_COST = 1000
@@ -135,5 +149,6 @@ def tpu_record(request):
     if path is not None and rows:
         device = jax.devices()[0]
         written = {"platform": device.platform, "device": device.device_kind, "rows": rows}
+        written["transcendentals"] = request.config.option.tpu_transcendentals
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(written, indent=1))
