@@ -87,12 +87,17 @@ def _cost(item) -> float:
     return 0.0 if mark is None else mark.args[0]
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """The costliest tests first (`pytest.mark.cost`: the slow stage's epoch and injected
     faults), collection order otherwise: the slow stage's work-stealing xdist starts the long
     ones at once and the others fill in beside them."""
     items.sort(key=lambda item: -_cost(item))
-    config.stash[_HOLDS_CRITICAL_PATH] = any(_cost(i) >= CRITICAL_PATH_COST for i in items)
+
+
+def pytest_collection_finish(session):
+    """Whether the tests left to run (after -m and -k) hold a critical path."""
+    holds = any(_cost(item) >= CRITICAL_PATH_COST for item in session.items)
+    session.config.stash[_HOLDS_CRITICAL_PATH] = holds
 
 
 def pytest_runtest_setup(item):
