@@ -1,11 +1,14 @@
 """Test set-up for every pytest process (xdist workers too): 8 simulated CPU devices and float32
 matmuls at "highest" precision, both fixed before JAX is imported; a persistent compilation
 cache; golden fixtures through the golden store, so a missing or stale golden fails naming the
-file and how to regenerate it.
+file and how to regenerate it. The costliest tests start first, and in a session that holds the
+slow stage's epoch the workers beside it run at a lower CPU priority (`CRITICAL_PATH_COST`).
 
 `pytest -m tpu` (the TPU leg, tests/test_tpu.py) lets JAX pick its backend instead: a TPU host's
 chips, with the CPU beside them; elsewhere the CPU alone, and those tests skip saying so.
-`--tpu-record PATH` writes what they measured, for docs/tpu.md (`python -m bench.tpu_leg`)."""
+`--tpu-transcendentals accurate|default` picks libtpu's float32 exp and log family before the chip
+opens (accurate unless given); `--tpu-record PATH` writes what the tests measured, for
+docs/tpu.md (`python -m bench.tpu_leg`)."""
 
 import contextlib
 import getpass
