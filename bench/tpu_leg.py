@@ -255,10 +255,22 @@ STEP_FIGURES = (
 )
 
 
+STEP_VARIANTS = {
+    "default": "default",
+    "highest": "highest",
+    "default-xla-kda": "default, XLA's KDA intra-chunk ops",
+}
+"""bench.tpu_step's variants as the step table's columns (a record without one leaves it out)."""
+
+
 def _step_table(step: dict) -> list[str]:
-    lines = ["| figure | default | highest |", "|---|---|---|"]
+    variants = [v for v in STEP_VARIANTS if f"{v}.step_s" in step]
+    lines = [
+        "| figure | " + " | ".join(STEP_VARIANTS[v] for v in variants) + " |",
+        "|---|" + "---|" * len(variants),
+    ]
     for key, label in STEP_FIGURES:
-        cells = [step[f"{p}.{key}"] for p in ("default", "highest")]
+        cells = [step[f"{p}.{key}"] for p in variants]
         text = [f"{c:.1%}" if key == "fraction_of_peak" else _g(c) for c in cells]
         lines.append(f"| {label} | " + " | ".join(text) + " |")
     return lines
@@ -355,7 +367,8 @@ def render(record: dict) -> str:
         "",
         "d_model 1024, 4 blocks (KDA 0-2, attention 3; block 0 dense), 64 routed experts of "
         "1024 in a 512 latent, top 16, seq 4096, GA 2 of 4 sequences, bf16 activations, "
-        "fp32 params and Adam, remat full, 8 vocab tiles (bench/tpu_step.py).",
+        "fp32 params and Adam, remat full, 8 vocab tiles (bench/tpu_step.py); KDA's intra-chunk "
+        "scores by the Pallas kernel (`model.kda_pallas`) unless a column says XLA's ops.",
         "",
         *(
             _step_table(record["step"])

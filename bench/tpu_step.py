@@ -1,6 +1,7 @@
 """`python -m bench tpu-step`: the whole train step of a hero-width slice on one TPU chip, at
-matmul precision "default" and "highest" (`ScaleConfig.matmul_precision`), each in a process of
-its own so that the chip's peak memory is the step's alone.
+matmul precision "default" and "highest" (`ScaleConfig.matmul_precision`), and at "default" with
+XLA's ops in place of the Pallas KDA intra-chunk kernel (`ScaleConfig.kda_kernel`), its before:
+each in a process of its own so that the chip's peak memory is the step's alone.
 
 The slice: `olmo35_tiny`'s widths (d_model 1024, vocab 100352, KDA 8 heads of 128 / 256,
 attention 8 / 4 heads of 128, routed experts of 1024 in a 512-wide latent, top 16, a shared
@@ -9,7 +10,7 @@ pools of 16 to 64); seq 4096, GA 2 of 4 sequences; bfloat16 activations, float32
 Adam; remat "full"; 8 vocab tiles; OLMo-core's flags. Tokens are random, with an EOS every
 `DOCUMENT` tokens.
 
-Per precision: compile seconds (trace, lower, compile), the best step of `REPEATS`, tokens a
+Per variant: compile seconds (trace, lower, compile), the best step of `REPEATS`, tokens a
 second, model FLOP/s (`model.flops.step_flops`) over the chip's bfloat16 peak, the compiler's
 memory plan (arguments, outputs, temporaries, its peak) and the chip's measured peak
 (`memory_stats()["peak_bytes_in_use"]`).
@@ -35,19 +36,24 @@ from model.flops import PEAK_FLOPS, step_flops
 from model.precision import matmul_precision
 from model.state import compiled_train_step, make_model
 
-PRECISIONS = ("default", "highest")
+VARIANTS = {
+    "default": ("default", "pallas"),
+    "highest": ("highest", "pallas"),
+    "default-xla-kda": ("default", "xla"),
+}
+"""name: (matmul precision, `ScaleConfig.kda_kernel`)."""
 DOCUMENT = 1024
 """Tokens a document: an EOS closes each."""
 REPEATS = 5
 GIB = 2**30
 
 
-def slice_config(precision: str) -> c.Config:
-    """The slice (`model.config.olmo35_slice`) with OLMo-core's flags at `precision`."""
+def slice_config(variant: str) -> c.Config:
+    """The slice (`model.config.olmo35_slice`) with OLMo-core's flags, as `variant` of VARIANTS."""
+    precision, kda_kernel = VARIANTS[variant]
     cfg = c.olmo_core(c.olmo35_slice())
-    return dataclasses.replace(
-        cfg, scale=dataclasses.replace(cfg.scale, matmul_precision=precision)
-    )
+    scale = dataclasses.replace(cfg.scale, matmul_precision=precision, kda_kernel=kda_kernel)
+    return dataclasses.replace(cfg, scale=scale)
 
 
 def micro_batches(cfg: c.Config) -> dict[str, jax.Array]:
@@ -68,11 +74,11 @@ def micro_batches(cfg: c.Config) -> dict[str, jax.Array]:
     return {k: jnp.asarray(v) for k, v in (batch | {"pool_draws": draws}).items()}
 
 
-def slice_step(precision: str, bench: str):
-    """The slice at `precision` on this host's TPU (`bench` names the caller in the error
+def slice_step(variant: str, bench: str):
+    """The slice's `variant` on this host's TPU (`bench` names the caller in the error
     elsewhere): (config, its initial train state, its micro-batches, the whole step compiled
     with the state donated, seconds the compile took)."""
-    cfg = slice_config(precision)
+    cfg = slice_config(variant)
     if jax.default_backend() != "tpu":
         raise SystemExit(f"bench {bench} needs a TPU: JAX runs on {jax.default_backend()} here")
     graphdef, params = nnx.split(make_model(cfg))
@@ -85,9 +91,9 @@ def slice_step(precision: str, bench: str):
     return cfg, state, batch, compiled, time.perf_counter() - start
 
 
-def measure(precision: str) -> dict[str, float]:
-    """The figures of one precision, in this process (which holds the chip)."""
-    cfg, state, batch, compiled, compile_s = slice_step(precision, "tpu-step")
+def measure(variant: str) -> dict[str, float]:
+    """The figures of one variant, in this process (which holds the chip)."""
+    cfg, state, batch, compiled, compile_s = slice_step(variant, "tpu-step")
     plan = compiled.memory_analysis()
     holder = [state]
 
@@ -115,18 +121,18 @@ def measure(precision: str) -> dict[str, float]:
 
 
 def run() -> dict[str, float]:
-    """Each precision in a child process (this one never opens the chip); figures named
-    "<precision>.<figure>"."""
+    """Each variant in a child process (this one never opens the chip); figures named
+    "<variant>.<figure>"."""
     figures: dict[str, float] = {}
-    for precision in PRECISIONS:
-        if matmul_precision(slice_config(precision)) != precision:
+    for variant, (precision, _) in VARIANTS.items():
+        if matmul_precision(slice_config(variant)) != precision:
             raise ValueError(f"the slice does not run at {precision}")
-        child = [sys.executable, "-m", "bench.tpu_step", precision]
+        child = [sys.executable, "-m", "bench.tpu_step", variant]
         done = subprocess.run(child, capture_output=True, text=True)
         if done.returncode != 0:
-            raise SystemExit(f"bench tpu-step at {precision} failed:\n{done.stderr[-3000:]}")
+            raise SystemExit(f"bench tpu-step {variant} failed:\n{done.stderr[-3000:]}")
         measured = json.loads(done.stdout.strip().splitlines()[-1])
-        figures |= {f"{precision}.{k}": v for k, v in measured.items()}
+        figures |= {f"{variant}.{k}": v for k, v in measured.items()}
     return figures
 
 
@@ -134,7 +140,7 @@ def summary(figures: dict[str, float]) -> list[str]:
     return [
         f"{p}: step {figures[f'{p}.step_s']:.3f} s, {figures[f'{p}.fraction_of_peak']:.1%} of "
         f"the chip's bf16 peak, measured peak {figures[f'{p}.measured_peak_gib']:.2f} GiB"
-        for p in PRECISIONS
+        for p in VARIANTS
     ]
 
 

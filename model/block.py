@@ -86,11 +86,17 @@ class Block(nnx.Module):
         loss_div_factor=None,
         lb_groups: int = 1,
         layout: Layout | None = None,
+        kda_kernel: str = "pallas",
     ) -> tuple[jax.Array, MoEAux | None]:
         """document_ids [B, T] feed the EMO pools and, unless the mixer ignores them, its document
         masking; pools [B, T] per-document pool sizes (None: the eval pool); `loss_div_factor`,
-        `lb_groups`, `layout`: as `LatentMoE`."""
-        h = x + self.attention_norm(self.attention(self.attention_input_norm(x), document_ids))
+        `lb_groups`, `layout`: as `LatentMoE`; `kda_kernel`: `ScaleConfig.kda_kernel`."""
+        mixer_input = self.attention_input_norm(x)
+        if isinstance(self.attention, KimiDeltaAttention):
+            mixed = self.attention(mixer_input, document_ids, kernel=kda_kernel, layout=layout)
+        else:
+            mixed = self.attention(mixer_input, document_ids)
+        h = x + self.attention_norm(mixed)
         m = self.feed_forward_input_norm(h)
         if not self.is_moe:
             return h + self.feed_forward_norm(self.feed_forward(m)), None

@@ -41,6 +41,7 @@ LOGICAL_AXIS_RULES = (
 over every axis (the expert axis shards the batch outside the MoE), routed experts over "expert",
 and every weight over "fsdp" along its first axis that takes it (`model.layout.Layout.spec`)."""
 REMAT_POLICIES = ("none", "full", "save_matmuls")
+KDA_KERNELS = ("xla", "pallas")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 """JAX's matmul precisions (`jax.default_matmul_precision`). On a TPU a float32 matmul takes one
 bfloat16 pass at "default", three at "high" and six at "highest" (float32's accuracy); a CPU
@@ -459,8 +460,17 @@ class ScaleConfig(_Config):
     """Precision of every matmul, einsum and Pallas matmul of the train step, one of
     `MATMUL_PRECISIONS`; None: "highest" for float32 and float64 compute, "default" for bfloat16
     (`model.precision.matmul_precision`)."""
+    kda_kernel: str = "pallas"
+    """What computes KDA's intra-chunk scores, one of `KDA_KERNELS`: "pallas", the Pallas TPU
+    kernel (`model.kda_pallas`) where the step compiles for a TPU and a chunk fits it (head dim
+    in whole 128 lanes), XLA's ops elsewhere; "xla", XLA's ops everywhere."""
 
     def validate(self) -> None:
+        self._require(
+            self.kda_kernel in KDA_KERNELS,
+            "kda_kernel",
+            f"must be one of {KDA_KERNELS}, got {self.kda_kernel!r}",
+        )
         self._require(
             self.remat_policy in REMAT_POLICIES,
             "remat_policy",

@@ -6,6 +6,9 @@
     o = chunk_kda(l2norm(q), l2norm(k), v, g, beta)
     y = w_out(RMSNorm(o) * o_norm.weight * sigmoid(g_proj_2(g_proj_1(x))))
 
+The intra-chunk scores come from XLA's ops or, on a TPU, a Pallas kernel (`ScaleConfig.kda_kernel`,
+`intra_chunk_scores_for`).
+
 Parameter names are OLMo-core's; linear kernels are [in, out] (OLMo-core's weight transposed) and
 conv weights [C, W] (OLMo-core's [C, 1, W] squeezed). Segment ids restart the state and the
 convolution at document starts unless `ignore_segment_ids` (OLMo-core: the whole instance).
@@ -19,7 +22,9 @@ from flax import nnx
 
 from model.config import KDAConfig
 from model.init import linear, log_uniform, trunc_normal
-from model.kda_chunk import chunk_kda, kda_beta, kda_gate, l2_normalize
+from model.kda_chunk import chunk_kda, intra_chunk_score_pair, kda_beta, kda_gate, l2_normalize
+from model.kda_pallas import pallas_fits, pallas_intra_chunk_scores
+from model.layout import Layout
 from model.norms import rms_norm
 from model.precision import full_precision
 
@@ -37,6 +42,31 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None
             shifted = jnp.where((seg == segment_ids)[..., None], shifted, 0.0)
         y = y + shifted * weight[:, W - 1 - s]
     return jax.nn.silu(y)
+
+
+def intra_chunk_scores_for(kernel: str, config: KDAConfig, layout: Layout | None):
+    """`chunk_kda`'s `scores` for `ScaleConfig.kda_kernel` `kernel`: the Pallas kernel where the
+    model compiles for a TPU (the layout's platform, else JAX's default backend) and a chunk fits
+    it, inside `shard_map` over the batch on a mesh of several devices (Mosaic kernels are not
+    partitioned by XLA); XLA's ops otherwise."""
+    platform = jax.default_backend() if layout is None else layout.platform
+    fits = pallas_fits(config.chunk_size, config.head_dim)
+    if kernel == "xla" or platform != "tpu" or not fits:
+        return intra_chunk_score_pair
+    if layout is None or layout.mesh.size == 1:
+        return pallas_intra_chunk_scores
+
+    def sharded(q, k, g):  # [B, H, N, C, K] each
+        rows = layout.spec(("batch",) + (None,) * (q.ndim - 1), q.shape)
+        return jax.shard_map(
+            pallas_intra_chunk_scores,
+            mesh=layout.mesh,
+            in_specs=(rows,) * 3,
+            out_specs=(rows, rows),
+            check_vma=False,  # a Pallas kernel declares no varying axes
+        )(q, k, g)
+
+    return sharded
 
 
 class CausalConv1d(nnx.Module):
@@ -90,7 +120,16 @@ class KimiDeltaAttention(nnx.Module):
         self.w_out = linear(H * dv, d_model, std, rngs, axes=("heads", "embed"), dtype=dtype)
 
     @jax.named_scope("kda")
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array | None = None,
+        *,
+        kernel: str = "pallas",
+        layout: Layout | None = None,
+    ) -> jax.Array:
+        """`kernel`: `ScaleConfig.kda_kernel`; `layout`: the mesh the model runs on (None: one
+        device)."""
         c = self.config
         B, T, _ = x.shape
         H, dk, dv = c.n_heads, c.head_dim, c.head_v_dim
@@ -110,6 +149,7 @@ class KimiDeltaAttention(nnx.Module):
             segment_ids=seg,
             chunk_size=c.chunk_size,
             inverse=self.inverse,
+            scores=intra_chunk_scores_for(kernel, c, layout),
         )
         gate = self.g_proj_2(self.g_proj_1(x)).reshape(B, T, H, dv)
         y = rms_norm(o, self.o_norm[...], eps=c.norm_eps) * jax.nn.sigmoid(gate)

@@ -239,16 +239,26 @@ def _chunked(x: jax.Array, C: int) -> jax.Array:
     return jnp.moveaxis(x, 3, 1)
 
 
+def intra_chunk_score_pair(q, k, g) -> tuple[jax.Array, jax.Array]:
+    """(`intra_chunk_scores(q, k, g)`, `intra_chunk_scores(k, k, g)`): what `chunk_kda` needs of a
+    chunk; `model.kda_pallas.pallas_intra_chunk_scores` computes the same in one kernel."""
+    return intra_chunk_scores(q, k, g), intra_chunk_scores(k, k, g)
+
+
+def _system(s_kk: jax.Array, beta: jax.Array, same: jax.Array | None) -> jax.Array:
+    C = s_kk.shape[-1]
+    keep = jnp.tril(jnp.ones((C, C), bool), -1)
+    if same is not None:
+        keep = keep & same
+    return beta[..., None] * jnp.where(keep, s_kk, 0.0)
+
+
 def chunk_system(k, g, beta, same=None) -> jax.Array:
     """A_ij = beta_i sum_c k_ic k_jc exp(sum_{j < t <= i} g_tc) for i > j in one segment, else 0.
 
     k, g [..., C, K] (one chunk); beta [..., C]; same [..., C, C] (None: one segment).
     """
-    C = k.shape[-2]
-    keep = jnp.tril(jnp.ones((C, C), bool), -1)
-    if same is not None:
-        keep = keep & same
-    return beta[..., None] * jnp.where(keep, intra_chunk_scores(k, k, g), 0.0)
+    return _system(intra_chunk_scores(k, k, g), beta, same)
 
 
 def kda_chunk_system(k, g, beta, *, chunk_size: int = 64) -> jax.Array:
@@ -270,8 +280,10 @@ def chunk_kda(
     segment_ids=None,
     chunk_size: int = 64,
     inverse: str = "forward_substitution",
+    scores=intra_chunk_score_pair,
 ):
     """Chunked KDA (FLA `naive_chunk_kda`), same arguments and result as `recurrent_kda`.
+    `scores(q, k, g)` gives a chunk's two intra-chunk score matrices (`intra_chunk_score_pair`).
 
     T need not be a multiple of chunk_size: the tail is padded with tokens that change nothing
     (k = v = q = 0, g = 0, beta = 0, the last segment id).
@@ -294,14 +306,15 @@ def chunk_kda(
         G = _prefix_sums(g)  # decay since the chunk start
         same = seg[..., :, None] == seg[..., None, :]  # [B, H, N, C, C]
         carry = seg == seg_prev[..., None]  # [B, H, N, C]: the token continues S_0's segment
-        A = chunk_system(k, g, beta, same)
+        s_qk, s_kk = scores(q, k, g)
+        A = _system(s_kk, beta, same)
         T_beta = invert_unit_lower(A, inverse) * beta[..., None, :]  # (I + A)^-1 diag(beta)
         gamma = jnp.where(
             carry[..., None], jnp.exp(G), 0.0
         )  # decay since the chunk start, 0 if restarted
         w = T_beta @ (gamma * k)  # [B, H, N, C, K]
         u = T_beta @ v  # [B, H, N, C, V]
-        A_qk = jnp.where(jnp.tril(same), intra_chunk_scores(q, k, g), 0.0)
+        A_qk = jnp.where(jnp.tril(same), s_qk, 0.0)
         # Decay from token j to the chunk end, for the tokens of the chunk's last segment.
         in_last = seg == seg[..., -1:]  # [B, H, N, C]
         k_tail = jnp.where(in_last[..., None], jnp.exp(_suffix_sums(g)) * k, 0.0)

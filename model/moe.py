@@ -34,7 +34,7 @@ from model.config import MoEConfig
 from model.expert_parallel import expert_parallel
 from model.init import linear, trunc_normal
 from model.layout import Layout
-from model.precision import full_precision
+from model.precision import full_precision, kernel_precision
 from model.router import Router, Routing
 
 MEGABLOX_TILE = 512
@@ -87,16 +87,6 @@ def megablox_matmul(
         return ragged_matmul(x, w, group_sizes)
     tiling = tuple(min(MEGABLOX_TILE, n) for n in (x.shape[0], *w.shape[1:]))
     return _gmm(x, w, group_sizes, tiling, interpret, kernel_precision(x.dtype, w.dtype))
-
-
-def kernel_precision(*dtypes) -> str | None:
-    """The matmul precision megablox's kernels run at, from the trace's: Mosaic multiplies
-    bfloat16 tiles in one pass only ("default"; their products are exact in its float32
-    accumulator), and has no "high" (three bfloat16 passes): float32 tiles run at "highest"."""
-    traced = jax.config.jax_default_matmul_precision
-    if all(d == jnp.bfloat16 for d in dtypes):
-        return "default"
-    return "highest" if traced == "high" else traced
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

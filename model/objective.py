@@ -42,6 +42,7 @@ def _terms(graphdef, cfg: Config, params, mb, div, layout: Layout | None):
         lb_groups=groups,
         layout=layout,
         remat=cfg.scale.remat_policy,
+        kda_kernel=cfg.scale.kda_kernel,
     )
     ce, z = model.lm_head.loss_sums(
         h,

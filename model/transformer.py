@@ -148,6 +148,7 @@ class Transformer(nnx.Module):
         lb_groups: int = 1,
         layout: Layout | None = None,
         remat: str = "none",
+        kda_kernel: str = "pallas",
     ) -> tuple[jax.Array, MoEAux]:
         """The final hidden states [B, T, d_model] before the LM head (for a tiled LM loss), and
         the aux of every MoE layer. input_ids [B, T] int. In training (EMO), exactly one of
@@ -155,7 +156,7 @@ class Transformer(nnx.Module):
         `pool_key`; neither in evaluation. `loss_div_factor`: the aux losses' divisor (None:
         B*T). `document_ids` [B, T] from 0 (None: from EOS, OLMo-core's way). `lb_groups`: as
         `model.moe.router_aux`. `layout`: the mesh the model runs on (`model.layout`; None:
-        one device). `remat`: `ScaleConfig.remat_policy`."""
+        one device). `remat`: `ScaleConfig.remat_policy`; `kda_kernel`: `ScaleConfig.kda_kernel`."""
         c = self.config
         pools = self.pool_sizes(
             input_ids.shape, train=train, pool_draws=pool_draws, pool_key=pool_key
@@ -177,6 +178,7 @@ class Transformer(nnx.Module):
                 loss_div_factor=loss_div_factor,
                 lb_groups=lb_groups,
                 layout=layout,
+                kda_kernel=kda_kernel,
             )
             h = constrain(h)
             if aux is not None:

@@ -97,7 +97,7 @@ def test_float64_compute_resolves_to_highest():
 def test_the_megablox_kernels_take_the_precision_too(precision, dtype, in_kernels):
     """A train step whose objective runs the routed experts by megablox at 128-wide widths: the
     dots inside its Pallas kernels (gmm forward; gmm and tgmm backward) carry the precision
-    Mosaic compiles nearest it (`model.moe.kernel_precision`): bfloat16 tiles in one pass
+    Mosaic compiles nearest it (`model.precision.kernel_precision`): bfloat16 tiles in one pass
     ("default"), float32 tiles at "highest" for "high"."""
     cfg = _config(precision)
     E, N, k, L, H = 4, 256, 2, 128, 128

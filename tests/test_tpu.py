@@ -13,6 +13,10 @@ docs/tpu.md (`--tpu-record`, `python -m bench.tpu_leg`):
   OLMo-core trained;
 - megablox's grouped matmuls at the hero's expert widths against the naive dispatch, values and
   gradients;
+- the Pallas intra-chunk scores kernel at the slice's chunk (64 tokens, 128 channels) against
+  float64 on the host's CPU, values and gradients, on keys OLMo-core trained (zero-padded to 128
+  channels, which adds nothing) and correlated keys, within the CPU's KDA_PALLAS_SCORES
+  (TPU_KDA_PALLAS_SCORES with the default exp); XLA's ops on the chip measured beside it;
 - the micro model's train step (the golden trace's step 1) against the same step on the host's
   CPU: every reported term, every gradient, the expert counts equal.
 
@@ -30,10 +34,12 @@ from goldens.envelope import norm_gap
 from goldens.oracle import MIXERS, WEIGHTS
 from goldens.tolerances import (
     KDA_FORWARD,
+    KDA_PALLAS_SCORES,
     ROUNDING_PARITY,
     TPU_KDA_GRAD,
     TPU_KDA_INVERSE_BETA_1,
     TPU_KDA_INVERSE_BETA_2,
+    TPU_KDA_PALLAS_SCORES,
     TPU_MEGABLOX,
     TPU_ROUNDING_PARITY,
     TPU_STEP_GRAD,
@@ -42,10 +48,20 @@ from goldens.tolerances import (
 from model import train_step as ts
 from model.config import olmo35_tiny
 from model.convert import from_olmo_core, model_entries, params_to_olmo_core
-from model.kda_chunk import chunk_kda, invert_unit_lower, kda_chunk_system
+from model.kda_chunk import chunk_kda, intra_chunk_score_pair, invert_unit_lower, kda_chunk_system
+from model.kda_pallas import TPU_LANES, pallas_intra_chunk_scores
 from model.moe import megablox_matmul, naive_routed_experts, routed_experts
 from model.objective import model_terms_fn
-from parity.kda_systems import WEAK_TO_STRONG, correlated_system, fp64_inverse
+from parity.kda_systems import (
+    WEAK_TO_STRONG,
+    correlated_chunks,
+    correlated_system,
+    float64_scores,
+    fp64_inverse,
+    scores_and_grads,
+    scores_error,
+    with_cotangents,
+)
 from parity.trace import load_trace
 from tests.compare import (
     assert_close,
@@ -188,6 +204,41 @@ def test_kda_inverse_on_trained_keys_on_the_chip(golden, tpu_record):
         "KDA chunk inverse, trained keys", "max abs error vs float64", **worst, bound=tol.atol
     )
     assert worst["highest"] <= tol.atol, worst
+
+
+def _trained_chunks(golden):
+    """The trained keys' q, k, g [B, H, N, 64, 128]: their 32 channels, then zeros."""
+    g = golden("kda_trained_keys.safetensors")
+    B, T, H, K = g["k"].shape
+    pad = [(0, 0)] * 4 + [(0, TPU_LANES - K)]
+    return [np.pad(np.moveaxis(g[n].reshape(B, T // 64, 64, H, K), 3, 1), pad) for n in "qkg"]
+
+
+KDA_SCORE_CASES = {
+    "trained keys": _trained_chunks,
+    "correlated keys": lambda _: correlated_chunks(0, 0.2, WEAK_TO_STRONG, N=64),
+}
+_kernel_scores = scores_and_grads(pallas_intra_chunk_scores)
+_xla_scores = scores_and_grads(intra_chunk_score_pair)
+
+
+@pytest.mark.parametrize("case", list(KDA_SCORE_CASES))
+def test_kda_intra_chunk_kernel_on_the_chip(golden, tpu_record, tpu_transcendentals, case):
+    inputs = with_cotangents(*KDA_SCORE_CASES[case](golden))
+    bound = KDA_PALLAS_SCORES if tpu_transcendentals == "accurate" else TPU_KDA_PALLAS_SCORES
+    exact = float64_scores(inputs, jax.devices("cpu")[0])
+    errors = {
+        name: _both(lambda f=f: max(scores_error(f(*inputs), exact).values()))
+        for name, f in (("kernel", _kernel_scores), ("XLA", _xla_scores))
+    }
+    for name, worst in errors.items():
+        tpu_record(
+            f"KDA intra-chunk scores ({name}) vs float64, {case}",
+            "worst tensor's largest error / its largest element",
+            **worst,
+            bound=bound,
+        )
+    assert errors["kernel"]["highest"] <= bound, errors
 
 
 @jax.jit
