@@ -11,8 +11,8 @@ Prefix, span and total sums are matmuls with 0/1 masks (at the trace's matmul pr
 einsums are); picking and scattering rows of k are matmuls with one-hot masks at "highest" (exact).
 
 One chunk per grid step, every array [C, K] or [C, C]: K in whole `TPU_LANES` for Mosaic;
-`interpret` runs Pallas's interpreter on any backend (the CPU tests). No counterpart in OLMo-core,
-whose FLA Triton kernel `chunk_kda` splits a chunk into 16s the same way.
+`interpret` runs Pallas's interpreter on any backend (the CPU tests). OLMo-core's counterpart is
+FLA's GPU Triton `chunk_kda`, which splits a chunk into 16s the same way.
 """
 
 from __future__ import annotations
@@ -25,15 +25,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from model.kda_chunk import SUB_CHUNK
-from model.precision import kernel_precision
-
-TPU_LANES = 128
-"""A TPU vector register's lanes: the kernel's K comes in whole multiples on a TPU."""
+from model.precision import TPU_LANES, kernel_precision
 
 
 def pallas_fits(C: int, K: int) -> bool:
     """Whether a chunk of C tokens and K channels suits the kernel on a TPU."""
-    return C % SUB_CHUNK == 0 and C // SUB_CHUNK > 1 and K % TPU_LANES == 0
+    return C % SUB_CHUNK == 0 and K % TPU_LANES == 0
 
 
 class _Chunk:

@@ -34,13 +34,11 @@ from model.config import MoEConfig
 from model.expert_parallel import expert_parallel
 from model.init import linear, trunc_normal
 from model.layout import Layout
-from model.precision import full_precision, kernel_precision
+from model.precision import TPU_LANES, full_precision, kernel_precision
 from model.router import Router, Routing
 
 MEGABLOX_TILE = 512
 """Largest tile side of `megablox_matmul` (rows, contracted, output)."""
-TPU_LANES = 128
-"""A TPU vector register's lanes: Pallas blocks' last dimension comes in whole multiples."""
 TILE_ROWS = 64
 """Rows of a tile of `tiled_routed_experts`: one expert's token slots, zero-padded."""
 

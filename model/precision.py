@@ -56,6 +56,10 @@ def matmul_precision(cfg: Config) -> str:
     return "default" if cfg.model.compute_dtype == "bfloat16" else "highest"
 
 
+TPU_LANES = 128
+"""A TPU vector register's lanes: Pallas blocks' last dimension comes in whole multiples."""
+
+
 def kernel_precision(*dtypes) -> str | None:
     """The matmul precision of Pallas TPU kernels (megablox's, `model.kda_pallas`), from the
     trace's: Mosaic multiplies bfloat16 tiles in one pass only ("default"; their products are

@@ -14,7 +14,6 @@ from goldens.tolerances import FP32_FORWARD, FP32_GRAD, MOE_FORWARD
 from model.config import micro
 from model.convert import load_olmo_core, moe_entries, params_to_olmo_core
 from model.moe import (
-    TPU_LANES,
     LatentMoE,
     megablox_matmul,
     naive_routed_experts,
@@ -22,6 +21,7 @@ from model.moe import (
     routed_experts,
     tiled_routed_experts,
 )
+from model.precision import TPU_LANES
 from tests.compare import assert_close
 
 

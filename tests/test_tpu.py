@@ -49,9 +49,10 @@ from model import train_step as ts
 from model.config import olmo35_tiny
 from model.convert import from_olmo_core, model_entries, params_to_olmo_core
 from model.kda_chunk import chunk_kda, intra_chunk_score_pair, invert_unit_lower, kda_chunk_system
-from model.kda_pallas import TPU_LANES, pallas_intra_chunk_scores
+from model.kda_pallas import pallas_intra_chunk_scores
 from model.moe import megablox_matmul, naive_routed_experts, routed_experts
 from model.objective import model_terms_fn
+from model.precision import TPU_LANES
 from parity.kda_systems import (
     WEAK_TO_STRONG,
     correlated_chunks,
