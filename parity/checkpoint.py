@@ -89,8 +89,8 @@ def save(directory: Path, step: int, arrays: Any, meta: dict, *, keep: int) -> P
     tmp = directory / f"{_TMP}{final.name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-            checkpointer.save(epath.Path(tmp / _ARRAYS), args=ocp.args.StandardSave(arrays))
+        with ocp.Checkpointer(_writer()) as checkpointer:
+            checkpointer.save(epath.Path(tmp / _ARRAYS), args=ocp.args.PyTreeSave(arrays))
         (tmp / _META).write_text(meta_json)
         files = [_entry(tmp, path) for path in sorted(tmp.rglob("*")) if path.is_file()]
         (tmp / _INTEGRITY).write_text(json.dumps({"files": files}, indent=1))
@@ -104,6 +104,17 @@ def save(directory: Path, step: int, arrays: Any, meta: dict, *, keep: int) -> P
         os.rename(_step_dir(directory, old), doomed)
         shutil.rmtree(doomed)
     return final
+
+
+def _writer() -> ocp.PyTreeCheckpointHandler:
+    """orbax's pytree handler; in one process, each array's replicated shards are written by their
+    first replica alone. orbax's replica-parallel writing, which spreads them over the processes
+    that hold them, slices every replicated shard with an eager op even when one process holds
+    all: 6.8 s a save against 3.7 s without, on the micro config's 8-device CPU mesh."""
+    one_process = jax.process_count() == 1
+    arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=not one_process)
+    registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
 def verify(directory: Path, step: int) -> Path:

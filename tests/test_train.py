@@ -39,7 +39,7 @@ STEPS = 3
 MESH = MeshShape(fsdp=4, expert=2)
 """Lockstep's gate mesh."""
 MESH_STEPS = 2
-"""On the mesh each save takes seconds (orbax fetches every shard of every array)."""
+"""On the mesh each save takes seconds (orbax writes every shard of every array)."""
 
 
 def _data() -> DataFiles:
