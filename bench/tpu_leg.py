@@ -110,6 +110,7 @@ def lockstep_summary(replay: dict) -> dict:
         "device": replay["device"],
         "matmul_precision": replay["matmul_precision"],
         "tpu_transcendentals": replay["tpu_transcendentals"],
+        "kernels": replay.get("kernels"),
         "olmo_core_process_group": replay["olmo_core_process_group"],
         "passed": lock["passed"],
         "first_divergence": lock["first_divergence"],
@@ -198,6 +199,9 @@ def _lockstep_table(lockstep: dict) -> list[str]:
         "| the chip's transcendentals (`--tpu-transcendentals`) | "
         + " | ".join(lockstep[p]["tpu_transcendentals"] for p in shown)
         + " | |",
+        "| kernels: grouped matmuls, KDA intra-chunk scores | "
+        + " | ".join(_kernels(lockstep[p].get("kernels")) for p in shown)
+        + " | |",
     ]
     lines.append(
         "| worst metric | "
@@ -230,6 +234,12 @@ def _lockstep_table(lockstep: dict) -> list[str]:
         + " | |"
     )
     return lines
+
+
+def _kernels(kernels: dict | None) -> str:
+    if kernels is None:
+        return "not recorded (a run before `model.kernels`)"
+    return ", ".join(str(kernels[k]) for k in ("grouped_matmul", "kda_intra_chunk"))
 
 
 def _first_tensor(first: dict | None) -> str:

@@ -44,14 +44,20 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None
     return jax.nn.silu(y)
 
 
-def intra_chunk_scores_for(kernel: str, config: KDAConfig, layout: Layout | None):
-    """`chunk_kda`'s `scores` for `ScaleConfig.kda_kernel` `kernel`: the Pallas kernel where the
-    model compiles for a TPU (the layout's platform, else JAX's default backend) and a chunk fits
-    it, inside `shard_map` over the batch on a mesh of several devices (Mosaic kernels are not
-    partitioned by XLA); XLA's ops otherwise."""
-    platform = jax.default_backend() if layout is None else layout.platform
+def intra_chunk_kernel(kernel: str, config: KDAConfig, platform: str) -> str:
+    """What computes the intra-chunk scores for `ScaleConfig.kda_kernel` `kernel` on `platform`:
+    "pallas" on a TPU where a chunk fits the kernel, else "xla"."""
     fits = pallas_fits(config.chunk_size, config.head_dim)
-    if kernel == "xla" or platform != "tpu" or not fits:
+    return "pallas" if kernel == "pallas" and platform == "tpu" and fits else "xla"
+
+
+def intra_chunk_scores_for(kernel: str, config: KDAConfig, layout: Layout | None):
+    """`chunk_kda`'s `scores` for `ScaleConfig.kda_kernel` `kernel` where the model compiles (the
+    layout's platform, else JAX's default backend), as `intra_chunk_kernel` says: the Pallas
+    kernel inside `shard_map` over the batch on a mesh of several devices (Mosaic kernels are not
+    partitioned by XLA)."""
+    platform = jax.default_backend() if layout is None else layout.platform
+    if intra_chunk_kernel(kernel, config, platform) == "xla":
         return intra_chunk_score_pair
     if layout is None or layout.mesh.size == 1:
         return pallas_intra_chunk_scores

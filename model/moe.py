@@ -71,6 +71,11 @@ def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Arr
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
+def megablox_fits(*widths: int) -> bool:
+    """Whether megablox's blocks take matmul widths `widths`: each in whole `TPU_LANES`."""
+    return not any(n % TPU_LANES for n in widths)
+
+
 @jax.named_scope("grouped_matmul")
 def megablox_matmul(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool = False
@@ -81,7 +86,7 @@ def megablox_matmul(
     experts (the micro config's) go to `ragged_matmul`. The kernel leaves the rows past the last
     group unwritten, in its output and in its gradient with respect to x: the caller reads
     neither (`routed_experts`)."""
-    if any(n % TPU_LANES for n in w.shape[1:]):
+    if not megablox_fits(*w.shape[1:]):
         return ragged_matmul(x, w, group_sizes)
     tiling = tuple(min(MEGABLOX_TILE, n) for n in (x.shape[0], *w.shape[1:]))
     return _gmm(x, w, group_sizes, tiling, interpret, kernel_precision(x.dtype, w.dtype))
@@ -185,9 +190,20 @@ def tiled_routed_experts(
     return jnp.sum(weights[..., None] * slots, axis=1)
 
 
+def grouped_matmul_kernel(platform: str, latent: int, hidden: int) -> str:
+    """What runs `dispatch_for(platform)`'s expert matmuls at widths `latent` and `hidden`:
+    "tiles", "megablox" (where `megablox_fits`) or "ragged_dot"."""
+    if platform == "cpu":
+        return "tiles"
+    if platform == "tpu" and megablox_fits(latent, 2 * hidden, hidden):
+        return "megablox"
+    return "ragged_dot"
+
+
 def dispatch_for(platform: str):
     """The routed-experts dispatch for `platform`: `tiled_routed_experts` on "cpu", grouped
-    matmuls by megablox on "tpu" (MaxText's) and by `ragged_dot` elsewhere."""
+    matmuls by megablox on "tpu" (MaxText's; `ragged_dot` where the widths do not fit it) and by
+    `ragged_dot` elsewhere (`grouped_matmul_kernel` names the choice)."""
     if platform == "cpu":
         return tiled_routed_experts
     if platform == "tpu":

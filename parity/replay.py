@@ -35,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from goldens.trace import process_group_backend
 from model.config import MATMUL_PRECISIONS, Config, Flags
+from model.kernels import step_kernels
 from model.precision import matmul_precision
 from parity import report
 from parity.compare import compare_step, free_running_record, teacher_forced_record
@@ -278,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         "device": device,
         "matmul_precision": precision,
         "tpu_transcendentals": transcendentals,
+        "kernels": dataclasses.asdict(step_kernels(config, args.platform)),
     }
     if args.view == "lockstep":
         written["olmo_core_process_group"] = process_group_backend()
