@@ -54,6 +54,16 @@ def correlated_chunks(seed, sigma, log_decay_range, *, N=4, C=64, K=128):
     return tuple(np.asarray(x, np.float32) for x in (q, k, g))
 
 
+def trained_chunks(golden, C=64, channels=None):
+    """(q, k, g) [B, H, N, C, K] of goldens/kda_trained_keys.safetensors (loaded: `golden`),
+    zero-padded to `channels` (None: as they are), which adds nothing to their scores."""
+    B, T, H, K = golden["k"].shape
+    pad = [(0, 0)] * 4 + [(0, (channels or K) - K)]
+    return tuple(
+        np.pad(np.moveaxis(golden[n].reshape(B, T // C, C, H, K), 3, 1), pad) for n in "qkg"
+    )
+
+
 def scores_and_grads(scores):
     """Jitted (q, k, g, w_qk, w_kk) -> (s_qk, s_kk, dq, dk, dg): `scores(q, k, g)`
     (`intra_chunk_score_pair` or the kernel) and the gradients of sum(s_qk w_qk + s_kk w_kk)."""

@@ -7,7 +7,6 @@ tests/test_tpu.py."""
 import functools
 
 import jax
-import numpy as np
 import pytest
 
 from goldens.tolerances import KDA_FORWARD, KDA_GRAD, KDA_PALLAS_SCORES
@@ -21,6 +20,7 @@ from parity.kda_systems import (
     float64_scores,
     scores_and_grads,
     scores_error,
+    trained_chunks,
     with_cotangents,
 )
 from tests.compare import assert_close
@@ -51,13 +51,10 @@ def test_chunk_kda_through_the_kernel_matches_fla(golden):
 
 
 @pytest.fixture(scope="module")
-def trained_chunks(golden):
+def trained(golden):
     """(q, k, g [B, H, N, 64, K] of a KDA layer OLMo-core trained, float32, and two cotangents),
     and their scores and gradients in float64."""
-    g = golden("kda_trained_keys.safetensors")
-    B, T, H, K = g["k"].shape
-    chunks = (np.moveaxis(g[n].reshape(B, T // 64, 64, H, K), 3, 1) for n in "qkg")
-    inputs = with_cotangents(*chunks)
+    inputs = with_cotangents(*trained_chunks(golden("kda_trained_keys.safetensors")))
     return inputs, float64_scores(inputs)
 
 
@@ -69,8 +66,8 @@ def _errors(inputs, exact) -> dict[str, float]:
         return scores_error(_kernel(*inputs), exact)
 
 
-def test_kernel_matches_float64_on_trained_keys(trained_chunks):
-    errors = _errors(*trained_chunks)
+def test_kernel_matches_float64_on_trained_keys(trained):
+    errors = _errors(*trained)
     assert max(errors.values()) <= KDA_PALLAS_SCORES, errors
 
 
@@ -82,9 +79,9 @@ def test_kernel_matches_float64_on_correlated_keys():
     assert max(errors.values()) <= KDA_PALLAS_SCORES, errors
 
 
-def test_gates_one_percent_off_are_caught(trained_chunks):
+def test_gates_one_percent_off_are_caught(trained):
     """The check has the power to fail: the kernel fed gates 1% off misses every tensor."""
-    (q, k, gate, *cotangents), exact = trained_chunks
+    (q, k, gate, *cotangents), exact = trained
     errors = _errors((q, k, gate * 1.01, *cotangents), exact)
     assert min(errors.values()) > 100 * KDA_PALLAS_SCORES, errors
 

@@ -61,6 +61,7 @@ from parity.kda_systems import (
     fp64_inverse,
     scores_and_grads,
     scores_error,
+    trained_chunks,
     with_cotangents,
 )
 from parity.trace import load_trace
@@ -207,16 +208,10 @@ def test_kda_inverse_on_trained_keys_on_the_chip(golden, tpu_record):
     assert worst["highest"] <= tol.atol, worst
 
 
-def _trained_chunks(golden):
-    """The trained keys' q, k, g [B, H, N, 64, 128]: their 32 channels, then zeros."""
-    g = golden("kda_trained_keys.safetensors")
-    B, T, H, K = g["k"].shape
-    pad = [(0, 0)] * 4 + [(0, TPU_LANES - K)]
-    return [np.pad(np.moveaxis(g[n].reshape(B, T // 64, 64, H, K), 3, 1), pad) for n in "qkg"]
-
-
 KDA_SCORE_CASES = {
-    "trained keys": _trained_chunks,
+    "trained keys": lambda golden: trained_chunks(
+        golden("kda_trained_keys.safetensors"), channels=TPU_LANES
+    ),
     "correlated keys": lambda _: correlated_chunks(0, 0.2, WEAK_TO_STRONG, N=64),
 }
 _kernel_scores = scores_and_grads(pallas_intra_chunk_scores)
