@@ -191,8 +191,9 @@ def tiled_routed_experts(
 
 
 def grouped_matmul_kernel(platform: str, latent: int, hidden: int) -> str:
-    """What runs `dispatch_for(platform)`'s expert matmuls at widths `latent` and `hidden`:
-    "tiles", "megablox" (where `megablox_fits`) or "ragged_dot"."""
+    """What runs the expert matmuls on `platform` at widths `latent` and `hidden`: "tiles" on
+    "cpu" (`tiled_routed_experts`), "megablox" on "tpu" where `megablox_fits` (MaxText's),
+    "ragged_dot" otherwise."""
     if platform == "cpu":
         return "tiles"
     if platform == "tpu" and megablox_fits(latent, 2 * hidden, hidden):
@@ -200,13 +201,12 @@ def grouped_matmul_kernel(platform: str, latent: int, hidden: int) -> str:
     return "ragged_dot"
 
 
-def dispatch_for(platform: str):
-    """The routed-experts dispatch for `platform`: `tiled_routed_experts` on "cpu", grouped
-    matmuls by megablox on "tpu" (MaxText's; `ragged_dot` where the widths do not fit it) and by
-    `ragged_dot` elsewhere (`grouped_matmul_kernel` names the choice)."""
-    if platform == "cpu":
+def dispatch_for(platform: str, latent: int, hidden: int):
+    """The routed-experts dispatch that `grouped_matmul_kernel` names."""
+    kernel = grouped_matmul_kernel(platform, latent, hidden)
+    if kernel == "tiles":
         return tiled_routed_experts
-    if platform == "tpu":
+    if kernel == "megablox":
         return functools.partial(routed_experts, matmul=megablox_matmul)
     return routed_experts
 
@@ -244,11 +244,14 @@ class RoutedExperts(nnx.Module):
             self.w_up_gate[...].astype(self.dtype),
             self.w_down[...].astype(self.dtype),
         )
+        _, hidden, latent = args[4].shape  # w_down [E, H, L]
         if layout is not None:
-            return expert_parallel(dispatch_for(layout.platform), layout, *args)
+            dispatch = dispatch_for(layout.platform, latent, hidden)
+            return expert_parallel(dispatch, layout, *args)
         B, T, L = z.shape
         flat = (x.reshape(B * T, -1) for x in args[:3])
-        return dispatch_for(jax.default_backend())(*flat, *args[3:]).reshape(B, T, L)
+        dispatch = dispatch_for(jax.default_backend(), latent, hidden)
+        return dispatch(*flat, *args[3:]).reshape(B, T, L)
 
 
 class SharedExpert(nnx.Module):
