@@ -1,8 +1,8 @@
-"""The trainer at length (`tox -e slow`): the micro config trained 50 steps gives free-running's
-numbers bit for bit; a NaN step is skipped as OLMo-core's rule says and the run goes on; a run
-killed (SIGKILL) in the middle of a save resumes in a new process from its last complete
-checkpoint to the straight run's state bit for bit (a new process compiles its step afresh: the
-program must be the same)."""
+"""The trainer at length (`tox -e slow`): a NaN step is skipped as OLMo-core's rule says and the
+run goes on; a run killed (SIGKILL) in the middle of a save resumes in a new process from its last
+complete checkpoint to the straight run's state bit for bit (a new process compiles its step
+afresh: the program must be the same). Its 50 steps against free-running's are in
+tests/test_replay_full.py, which shares their run."""
 
 import dataclasses
 import json
@@ -20,7 +20,6 @@ import pytest
 
 from parity import checkpoint
 from parity.faults import InjectedFault
-from parity.run import Run, free_running
 from parity.trace import bundled_data, load_trace
 from parity.train import Checkpointing, Plan, restore_checkpoint, train
 from parity.train_data import DataFiles
@@ -29,19 +28,6 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_fifty_steps_as_free_running():
-    trace = load_trace()
-    tokens, indices = bundled_data()
-    data = DataFiles(tuple(tokens), indices, "uint16")
-    plan = Plan(trace.config, steps=50, data=data, init="trace")
-    _, rows = train(plan, log=lambda _: None)
-    expected, _ = free_running(trace, Run(trace.config), steps=50, on_step=lambda *_: None)
-    differing = [
-        r["step"] for r, w in zip(rows, expected, strict=True) if {k: r[k] for k in w} != w
-    ]
-    assert differing == []
 
 
 def test_a_nan_step_is_skipped_and_the_run_goes_on():
