@@ -199,7 +199,7 @@ def _lockstep_table(lockstep: dict) -> list[str]:
         "| the chip's transcendentals (`--tpu-transcendentals`) | "
         + " | ".join(lockstep[p]["tpu_transcendentals"] for p in shown)
         + " | |",
-        "| kernels: grouped matmuls, KDA intra-chunk scores | "
+        "| kernels: grouped matmuls, KDA intra-chunk scores, attention | "
         + " | ".join(_kernels(lockstep[p].get("kernels")) for p in shown)
         + " | |",
     ]
@@ -239,7 +239,8 @@ def _lockstep_table(lockstep: dict) -> list[str]:
 def _kernels(kernels: dict | None) -> str:
     if kernels is None:
         return "not recorded (a run before `model.kernels`)"
-    return ", ".join(str(kernels[k]) for k in ("grouped_matmul", "kda_intra_chunk"))
+    names = ("grouped_matmul", "kda_intra_chunk", "attention")
+    return ", ".join(str(kernels.get(k, "not recorded")) for k in names)
 
 
 def _first_tensor(first: dict | None) -> str:
@@ -269,6 +270,8 @@ STEP_VARIANTS = {
     "default": "default",
     "highest": "highest",
     "default-xla-kda": "default, XLA's KDA intra-chunk ops",
+    "default-xla-attention": "default, XLA's attention ops",
+    "default-seq-8192": "default, seq 8192",
 }
 """bench.tpu_step's variants as the step table's columns (a record without one leaves it out)."""
 

@@ -1,7 +1,9 @@
 """`python -m bench tpu-step`: the whole train step of a hero-width slice on one TPU chip, at
-matmul precision "default" and "highest" (`ScaleConfig.matmul_precision`), and at "default" with
-XLA's ops in place of the Pallas KDA intra-chunk kernel (`ScaleConfig.kda_kernel`), its before:
-each in a process of its own so that the chip's peak memory is the step's alone.
+matmul precision "default" and "highest" (`ScaleConfig.matmul_precision`), at "default" with
+XLA's ops in place of the Pallas KDA intra-chunk kernel (`ScaleConfig.kda_kernel`) or of the
+Pallas flash attention kernel (`ScaleConfig.attention_kernel`), the kernels' befores, and at
+seq 8192 (2 rows a micro-batch, the same tokens): each in a process of its own so that the
+chip's peak memory is the step's alone.
 
 The slice: `olmo35_tiny`'s widths (d_model 1024, vocab 100352, KDA 8 heads of 128 / 256,
 attention 8 / 4 heads of 128, routed experts of 1024 in a 512-wide latent, top 16, a shared
@@ -36,12 +38,24 @@ from model.flops import PEAK_FLOPS, step_flops
 from model.precision import matmul_precision
 from model.state import compiled_train_step, make_model
 
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    precision: str
+    kda_kernel: str = "pallas"
+    attention_kernel: str = "pallas"
+    seq_len: int = 4096
+    """The slice's 4 rows of 4096 a micro-batch become fewer, longer rows of as many tokens."""
+
+
 VARIANTS = {
-    "default": ("default", "pallas"),
-    "highest": ("highest", "pallas"),
-    "default-xla-kda": ("default", "xla"),
+    "default": Variant("default"),
+    "highest": Variant("highest"),
+    "default-xla-kda": Variant("default", kda_kernel="xla"),
+    "default-xla-attention": Variant("default", attention_kernel="xla"),
+    "default-seq-8192": Variant("default", seq_len=8192),
 }
-"""name: (matmul precision, `ScaleConfig.kda_kernel`)."""
+"""name: matmul precision, `ScaleConfig.kda_kernel` and `attention_kernel`, sequence length."""
 DOCUMENT = 1024
 """Tokens a document: an EOS closes each."""
 REPEATS = 5
@@ -50,10 +64,19 @@ GIB = 2**30
 
 def slice_config(variant: str) -> c.Config:
     """The slice (`model.config.olmo35_slice`) with OLMo-core's flags, as `variant` of VARIANTS."""
-    precision, kda_kernel = VARIANTS[variant]
+    v = VARIANTS[variant]
     cfg = c.olmo_core(c.olmo35_slice())
-    scale = dataclasses.replace(cfg.scale, matmul_precision=precision, kda_kernel=kda_kernel)
-    return dataclasses.replace(cfg, scale=scale)
+    scale = dataclasses.replace(
+        cfg.scale,
+        matmul_precision=v.precision,
+        kda_kernel=v.kda_kernel,
+        attention_kernel=v.attention_kernel,
+    )
+    rows = cfg.train.micro_batch_size * cfg.train.seq_len // v.seq_len
+    train = dataclasses.replace(
+        cfg.train, seq_len=v.seq_len, global_batch_size=cfg.train.ga_steps * rows
+    )
+    return dataclasses.replace(cfg, scale=scale, train=train)
 
 
 def micro_batches(cfg: c.Config) -> dict[str, jax.Array]:
@@ -124,9 +147,9 @@ def run() -> dict[str, float]:
     """Each variant in a child process (this one never opens the chip); figures named
     "<variant>.<figure>"."""
     figures: dict[str, float] = {}
-    for variant, (precision, _) in VARIANTS.items():
-        if matmul_precision(slice_config(variant)) != precision:
-            raise ValueError(f"the slice does not run at {precision}")
+    for variant, v in VARIANTS.items():
+        if matmul_precision(slice_config(variant)) != v.precision:
+            raise ValueError(f"the slice does not run at {v.precision}")
         child = [sys.executable, "-m", "bench.tpu_step", variant]
         done = subprocess.run(child, capture_output=True, text=True)
         if done.returncode != 0:

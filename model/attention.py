@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.attention_pallas import flash_fits, pallas_causal_attention
 from model.config import AttentionConfig
 from model.init import linear
+from model.layout import Layout
 from model.norms import RMSNorm
 from model.precision import full_precision, upcast
 
@@ -71,6 +73,33 @@ def causal_attention(
     return o.reshape(B, T, H, D).astype(q.dtype)
 
 
+def attention_kernel(kernel: str, config: AttentionConfig, seq_len: int, platform: str) -> str:
+    """What computes `causal_attention` for `ScaleConfig.attention_kernel` `kernel` on
+    `platform`: "pallas" (`model.attention_pallas`) on a TPU where the sequence and heads fit
+    the kernel, else "xla"."""
+    fits = flash_fits(seq_len, config.head_dim)
+    return "pallas" if kernel == "pallas" and platform == "tpu" and fits else "xla"
+
+
+def causal_attention_for(kernel: str, config: AttentionConfig, seq_len: int, layout: Layout | None):
+    """`causal_attention`, or the Pallas kernel where `attention_kernel` says so for the platform
+    the model compiles for (the layout's, else JAX's default backend); on a mesh of several
+    devices the kernel runs on each device's rows (`Layout.per_rows`)."""
+    platform = jax.default_backend() if layout is None else layout.platform
+    if attention_kernel(kernel, config, seq_len, platform) == "xla":
+        return causal_attention
+    if layout is None or layout.mesh.size == 1:
+        return pallas_causal_attention
+
+    def per_rows(q, k, v, *, segment_ids=None):
+        if segment_ids is None:
+            return layout.per_rows(pallas_causal_attention, q, k, v)
+        kernel = lambda q, k, v, s: pallas_causal_attention(q, k, v, segment_ids=s)  # noqa: E731
+        return layout.per_rows(kernel, q, k, v, segment_ids)
+
+    return per_rows
+
+
 class Attention(nnx.Module):
     """x [B, T, d_model] -> [B, T, d_model]. `ignore_segment_ids` is
     `Flags.olmoe3_mixers_ignore_segment_ids`. Linear weights drawn `trunc_normal(std)` (OLMo-core's
@@ -115,10 +144,20 @@ class Attention(nnx.Module):
         return scalable_softmax(q, self.ssmax_scale[...], visible_lengths(seg, T)), k, v
 
     @jax.named_scope("attention")
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array | None = None,
+        *,
+        kernel: str = "pallas",
+        layout: Layout | None = None,
+    ) -> jax.Array:
+        """`kernel`: `ScaleConfig.attention_kernel`; `layout`: the mesh the model runs on (None:
+        one device)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, segment_ids)
         seg = None if self.ignore_segment_ids else segment_ids
-        o = causal_attention(q, k, v, segment_ids=seg).reshape(B, T, -1)
+        attend = causal_attention_for(kernel, self.config, T, layout)
+        o = attend(q, k, v, segment_ids=seg).reshape(B, T, -1)
         gate = jax.nn.sigmoid(upcast(self.w_g(x)))
         return self.w_out((o * gate).astype(x.dtype))

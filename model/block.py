@@ -87,15 +87,19 @@ class Block(nnx.Module):
         lb_groups: int = 1,
         layout: Layout | None = None,
         kda_kernel: str = "pallas",
+        attention_kernel: str = "pallas",
     ) -> tuple[jax.Array, MoEAux | None]:
         """document_ids [B, T] feed the EMO pools and, unless the mixer ignores them, its document
         masking; pools [B, T] per-document pool sizes (None: the eval pool); `loss_div_factor`,
-        `lb_groups`, `layout`: as `LatentMoE`; `kda_kernel`: `ScaleConfig.kda_kernel`."""
+        `lb_groups`, `layout`: as `LatentMoE`; `kda_kernel`: `ScaleConfig.kda_kernel`;
+        `attention_kernel`: `ScaleConfig.attention_kernel`."""
         mixer_input = self.attention_input_norm(x)
         if isinstance(self.attention, KimiDeltaAttention):
             mixed = self.attention(mixer_input, document_ids, kernel=kda_kernel, layout=layout)
         else:
-            mixed = self.attention(mixer_input, document_ids)
+            mixed = self.attention(
+                mixer_input, document_ids, kernel=attention_kernel, layout=layout
+            )
         h = x + self.attention_norm(mixed)
         m = self.feed_forward_input_norm(h)
         if not self.is_moe:

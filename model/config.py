@@ -42,6 +42,7 @@ over every axis (the expert axis shards the batch outside the MoE), routed exper
 and every weight over "fsdp" along its first axis that takes it (`model.layout.Layout.spec`)."""
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 KDA_KERNELS = ("xla", "pallas")
+ATTENTION_KERNELS = ("xla", "pallas")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 """JAX's matmul precisions (`jax.default_matmul_precision`). On a TPU a float32 matmul takes one
 bfloat16 pass at "default", three at "high" and six at "highest" (float32's accuracy); a CPU
@@ -464,12 +465,22 @@ class ScaleConfig(_Config):
     """What computes KDA's intra-chunk scores, one of `KDA_KERNELS`: "pallas", the Pallas TPU
     kernel (`model.kda_pallas`) where the step compiles for a TPU and a chunk fits it (head dim
     in whole 128 lanes), XLA's ops elsewhere; "xla", XLA's ops everywhere."""
+    attention_kernel: str = "pallas"
+    """What computes attention's softmax over the keys, one of `ATTENTION_KERNELS`: "pallas",
+    the Pallas TPU flash attention kernel (`model.attention_pallas`) where the step compiles for
+    a TPU and the sequence and heads fit it (whole 128 lanes), XLA's ops elsewhere; "xla", XLA's
+    ops everywhere."""
 
     def validate(self) -> None:
         self._require(
             self.kda_kernel in KDA_KERNELS,
             "kda_kernel",
             f"must be one of {KDA_KERNELS}, got {self.kda_kernel!r}",
+        )
+        self._require(
+            self.attention_kernel in ATTENTION_KERNELS,
+            "attention_kernel",
+            f"must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}",
         )
         self._require(
             self.remat_policy in REMAT_POLICIES,

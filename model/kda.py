@@ -61,18 +61,7 @@ def intra_chunk_scores_for(kernel: str, config: KDAConfig, layout: Layout | None
         return intra_chunk_score_pair
     if layout is None or layout.mesh.size == 1:
         return pallas_intra_chunk_scores
-
-    def sharded(q, k, g):  # [B, H, N, C, K] each
-        rows = layout.spec(("batch",) + (None,) * (q.ndim - 1), q.shape)
-        return jax.shard_map(
-            pallas_intra_chunk_scores,
-            mesh=layout.mesh,
-            in_specs=(rows,) * 3,
-            out_specs=(rows, rows),
-            check_vma=False,  # a Pallas kernel declares no varying axes
-        )(q, k, g)
-
-    return sharded
+    return lambda q, k, g: layout.per_rows(pallas_intra_chunk_scores, q, k, g)
 
 
 class CausalConv1d(nnx.Module):

@@ -94,6 +94,19 @@ class Layout:
         """How many devices hold different rows."""
         return math.prod(self.mesh.shape[axis] for axis in self.batch_axes(rows))
 
+    def per_rows(self, kernel, *arrays):
+        """`kernel(*arrays)`, every array and result [rows, ...], inside `shard_map` over the
+        batch axes: XLA does not partition a Mosaic kernel ("Mosaic kernels cannot be
+        automatically partitioned"), so each device runs it on its own rows."""
+        rows = P(self.batch_axes(arrays[0].shape[0]) or None)
+        return jax.shard_map(
+            kernel,
+            mesh=self.mesh,
+            in_specs=(rows,) * len(arrays),
+            out_specs=rows,
+            check_vma=False,  # a Pallas kernel declares no varying axes
+        )(*arrays)
+
     def micro_batch_sharding(self, rows: int) -> NamedSharding:
         """Micro-batches [GA, rows, ...]: rows over the batch axes."""
         return NamedSharding(self.mesh, P(None, self.batch_axes(rows) or None))

@@ -34,7 +34,7 @@ from model.config import MoEConfig
 from model.expert_parallel import expert_parallel
 from model.init import linear, trunc_normal
 from model.layout import Layout
-from model.precision import TPU_LANES, full_precision, kernel_precision
+from model.precision import TPU_LANES, at_kernel_precision, full_precision, kernel_precision
 from model.router import Router, Routing
 
 MEGABLOX_TILE = 512
@@ -89,30 +89,11 @@ def megablox_matmul(
     if not megablox_fits(*w.shape[1:]):
         return ragged_matmul(x, w, group_sizes)
     tiling = tuple(min(MEGABLOX_TILE, n) for n in (x.shape[0], *w.shape[1:]))
-    return _gmm(x, w, group_sizes, tiling, interpret, kernel_precision(x.dtype, w.dtype))
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _gmm(x, w, group_sizes, tiling, interpret, precision):
-    """megablox `gmm` (its backward `tgmm`) with every kernel dot, forward and backward, at
-    `precision`."""
-    return _gmm_fwd(x, w, group_sizes, tiling, interpret, precision)[0]
-
-
-def _gmm_fwd(x, w, group_sizes, tiling, interpret, precision):
-    def gmm(x, w):
+    def gmm(x, w, group_sizes):
         return megablox.gmm(x, w, group_sizes, x.dtype, tiling, None, None, False, interpret)
 
-    with jax.default_matmul_precision(precision):
-        return jax.vjp(gmm, x, w)
-
-
-def _gmm_bwd(tiling, interpret, precision, vjp, dy):
-    with jax.default_matmul_precision(precision):
-        return (*vjp(dy), None)
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+    return at_kernel_precision(gmm, kernel_precision(x.dtype, w.dtype), x, w, group_sizes)
 
 
 @jax.named_scope("moe_dispatch")

@@ -43,6 +43,7 @@ def _terms(graphdef, cfg: Config, params, mb, div, layout: Layout | None):
         layout=layout,
         remat=cfg.scale.remat_policy,
         kda_kernel=cfg.scale.kda_kernel,
+        attention_kernel=cfg.scale.attention_kernel,
     )
     ce, z = model.lm_head.loss_sums(
         h,

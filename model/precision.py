@@ -69,3 +69,24 @@ def kernel_precision(*dtypes) -> str | None:
     if all(d == jnp.bfloat16 for d in dtypes):
         return "default"
     return "highest" if traced == "high" else traced
+
+
+def at_kernel_precision(fn, precision: str | None, *args):
+    """`fn(*args)` with every matmul it traces, forward and backward, at `precision`
+    (`kernel_precision`): a Pallas kernel's custom VJP traces its backward where autodiff
+    transposes it, outside any precision set around the call."""
+
+    @jax.custom_vjp
+    def run(*args):
+        return forward(*args)[0]
+
+    def forward(*args):
+        with jax.default_matmul_precision(precision):
+            return jax.vjp(fn, *args)
+
+    def backward(vjp, dy):
+        with jax.default_matmul_precision(precision):
+            return vjp(dy)
+
+    run.defvjp(forward, backward)
+    return run(*args)

@@ -149,6 +149,7 @@ class Transformer(nnx.Module):
         layout: Layout | None = None,
         remat: str = "none",
         kda_kernel: str = "pallas",
+        attention_kernel: str = "pallas",
     ) -> tuple[jax.Array, MoEAux]:
         """The final hidden states [B, T, d_model] before the LM head (for a tiled LM loss), and
         the aux of every MoE layer. input_ids [B, T] int. In training (EMO), exactly one of
@@ -156,7 +157,8 @@ class Transformer(nnx.Module):
         `pool_key`; neither in evaluation. `loss_div_factor`: the aux losses' divisor (None:
         B*T). `document_ids` [B, T] from 0 (None: from EOS, OLMo-core's way). `lb_groups`: as
         `model.moe.router_aux`. `layout`: the mesh the model runs on (`model.layout`; None:
-        one device). `remat`: `ScaleConfig.remat_policy`; `kda_kernel`: `ScaleConfig.kda_kernel`."""
+        one device). `remat`: `ScaleConfig.remat_policy`; `kda_kernel`: `ScaleConfig.kda_kernel`;
+        `attention_kernel`: `ScaleConfig.attention_kernel`."""
         c = self.config
         pools = self.pool_sizes(
             input_ids.shape, train=train, pool_draws=pool_draws, pool_key=pool_key
@@ -179,6 +181,7 @@ class Transformer(nnx.Module):
                 lb_groups=lb_groups,
                 layout=layout,
                 kda_kernel=kda_kernel,
+                attention_kernel=attention_kernel,
             )
             h = constrain(h)
             if aux is not None:

@@ -52,7 +52,11 @@ def test_five_steps_on_a_mesh_pass_on_every_metric_layer_and_tensor(lockstepped)
     assert (record["platform"], record["device"]) == ("cpu", "cpu")
     assert record["matmul_precision"] == "highest"  # float32 compute, no --matmul-precision
     assert record["tpu_transcendentals"] is None
-    assert record["kernels"] == {"grouped_matmul": "tiles", "kda_intra_chunk": "xla"}
+    assert record["kernels"] == {
+        "grouped_matmul": "tiles",
+        "kda_intra_chunk": "xla",
+        "attention": "xla",
+    }
     assert record["olmo_core_process_group"] == "gloo"
     assert record["first_divergence"] is None
     lock = record["lockstep"]

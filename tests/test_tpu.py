@@ -23,8 +23,10 @@ docs/tpu.md (`--tpu-record`, `python -m bench.tpu_leg`):
 Bounds measured on the chip are named TPU_* in goldens/tolerances.py."""
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -33,6 +35,7 @@ from goldens.blocks import BLOCKS
 from goldens.envelope import norm_gap
 from goldens.oracle import MIXERS, WEIGHTS
 from goldens.tolerances import (
+    ATTENTION_PALLAS,
     KDA_FORWARD,
     KDA_PALLAS_SCORES,
     ROUNDING_PARITY,
@@ -46,6 +49,8 @@ from goldens.tolerances import (
     TPU_STEP_TERMS,
 )
 from model import train_step as ts
+from model.attention import causal_attention
+from model.attention_pallas import pallas_causal_attention
 from model.config import olmo35_tiny
 from model.convert import from_olmo_core, model_entries, params_to_olmo_core
 from model.kda_chunk import chunk_kda, intra_chunk_score_pair, invert_unit_lower, kda_chunk_system
@@ -65,6 +70,13 @@ from parity.kda_systems import (
     with_cotangents,
 )
 from parity.trace import load_trace
+from tests.attention_cases import (
+    DOCUMENTS,
+    attention_error,
+    attention_inputs,
+    float64_attention,
+    value_and_grads,
+)
 from tests.compare import (
     assert_close,
     assert_rounding_parity,
@@ -235,6 +247,34 @@ def test_kda_intra_chunk_kernel_on_the_chip(golden, tpu_record, tpu_transcendent
             bound=bound,
         )
     assert errors["kernel"]["highest"] <= bound, errors
+
+
+_flash_vjps = jax.jit(functools.partial(value_and_grads, pallas_causal_attention))
+_xla_attention_vjps = jax.jit(functools.partial(value_and_grads, causal_attention))
+
+
+@pytest.mark.parametrize("documents", [True, False], ids=["documents", "whole_rows"])
+def test_flash_attention_on_the_chip(tpu_record, documents):
+    """The Pallas flash kernel and XLA's ops on the chip against `causal_attention` in float64
+    on the host's CPU: output and gradients, three documents a row or whole rows."""
+    q, k, v, cotangent = attention_inputs()
+    segments = DOCUMENTS if documents else None
+    with jax.default_device(jax.devices("cpu")[0]):
+        exact = float64_attention(q, k, v, cotangent, segments)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, cotangent)]
+    ids = None if segments is None else jnp.asarray(segments, jnp.int32)
+    errors = {
+        name: _both(lambda f=f: attention_error(exact, f(*f32, ids)))
+        for name, f in (("kernel", _flash_vjps), ("XLA", _xla_attention_vjps))
+    }
+    for name, worst in errors.items():
+        tpu_record(
+            f"flash attention ({name}) vs float64, {'documents' if documents else 'whole rows'}",
+            "worst tensor's largest error / its largest element",
+            **worst,
+            bound=ATTENTION_PALLAS,
+        )
+    assert errors["kernel"]["highest"] <= ATTENTION_PALLAS, errors
 
 
 @jax.jit
