@@ -8,6 +8,7 @@ repeat_kv), and autodiff sums their gradients back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -40,18 +41,8 @@ def pallas_causal_attention(
     q, k, v = (jnp.swapaxes(upcast(x), 1, 2) for x in (q, jnp.repeat(k, G, 2), jnp.repeat(v, G, 2)))
     block = min(FLASH_BLOCK, T)
     sizes = flash.BlockSizes(
-        block_q=block,
-        block_k_major=block,
-        block_k=block,
-        block_b=1,
-        block_q_major_dkv=block,
-        block_k_major_dkv=block,
-        block_k_dkv=block,
-        block_q_dkv=block,
-        block_k_major_dq=block,
-        block_k_dq=block,
-        block_q_dq=block,
-    )
+        **{f.name: block for f in dataclasses.fields(flash.BlockSizes)} | {"block_b": 1}
+    )  # every query and key block, forward and backward; one row a grid step
 
     def attend(q, k, v, segments):
         ids = None if segments is None else flash.SegmentIds(segments, segments)
