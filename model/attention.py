@@ -94,8 +94,8 @@ def causal_attention_for(kernel: str, config: AttentionConfig, seq_len: int, lay
     def per_rows(q, k, v, *, segment_ids=None):
         if segment_ids is None:
             return layout.per_rows(pallas_causal_attention, q, k, v)
-        kernel = lambda q, k, v, s: pallas_causal_attention(q, k, v, segment_ids=s)  # noqa: E731
-        return layout.per_rows(kernel, q, k, v, segment_ids)
+        attend = lambda q, k, v, s: pallas_causal_attention(q, k, v, segment_ids=s)  # noqa: E731
+        return layout.per_rows(attend, q, k, v, segment_ids)
 
     return per_rows
 
