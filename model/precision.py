@@ -61,10 +61,10 @@ TPU_LANES = 128
 
 
 def kernel_precision(*dtypes) -> str | None:
-    """The matmul precision of Pallas TPU kernels (megablox's, `model.kda_pallas`), from the
-    trace's: Mosaic multiplies bfloat16 tiles in one pass only ("default"; their products are
-    exact in its float32 accumulator), and has no "high" (three bfloat16 passes): float32 tiles
-    run at "highest"."""
+    """The matmul precision of Pallas TPU kernels (megablox's, `model.kda_pallas`,
+    `model.attention_pallas`), from the trace's: Mosaic multiplies bfloat16 tiles in one pass
+    only ("default"; their products are exact in its float32 accumulator), and has no "high"
+    (three bfloat16 passes): float32 tiles run at "highest"."""
     traced = jax.config.jax_default_matmul_precision
     if all(d == jnp.bfloat16 for d in dtypes):
         return "default"
