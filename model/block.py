@@ -94,12 +94,8 @@ class Block(nnx.Module):
         `lb_groups`, `layout`: as `LatentMoE`; `kda_kernel`: `ScaleConfig.kda_kernel`;
         `attention_kernel`: `ScaleConfig.attention_kernel`."""
         mixer_input = self.attention_input_norm(x)
-        if isinstance(self.attention, KimiDeltaAttention):
-            mixed = self.attention(mixer_input, document_ids, kernel=kda_kernel, layout=layout)
-        else:
-            mixed = self.attention(
-                mixer_input, document_ids, kernel=attention_kernel, layout=layout
-            )
+        kernel = kda_kernel if isinstance(self.attention, KimiDeltaAttention) else attention_kernel
+        mixed = self.attention(mixer_input, document_ids, kernel=kernel, layout=layout)
         h = x + self.attention_norm(mixed)
         m = self.feed_forward_input_norm(h)
         if not self.is_moe:
