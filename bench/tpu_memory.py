@@ -427,7 +427,8 @@ def report(record: dict) -> str:
             f"{m['temporaries'] / flat:.2f}x | "
             f"{seed} | {'yes' if m['fits'] else 'no'} | {m['seconds']:.0f} s |"
         )
-    lines += ["", *_ratios(record)]
+    ratios = _ratios(record)
+    lines += ["", *ratios] if ratios else []
     if "seq-major" in variants:
         lines += [
             "",
