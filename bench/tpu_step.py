@@ -1,16 +1,16 @@
 """`python -m bench tpu-step`: the whole train step of a hero-width slice on one TPU chip, at
 matmul precision "default" and "highest" (`ScaleConfig.matmul_precision`), at "default" with
 XLA's ops in place of the Pallas KDA intra-chunk kernel (`ScaleConfig.kda_kernel`) or of the
-Pallas flash attention kernel (`ScaleConfig.attention_kernel`), the kernels' befores, and at
-seq 8192 (2 rows a micro-batch, the same tokens): each in a process of its own so that the
-chip's peak memory is the step's alone.
+Pallas flash attention kernel (`ScaleConfig.attention_kernel`), the kernels' befores, with
+GA 2 of 4 rows under remat "full" (the slice's before), and at seq 8192 (GA 2 of 2 rows, remat
+"full"): each in a process of its own so that the chip's peak memory is the step's alone.
 
-The slice: `olmo35_tiny`'s widths (d_model 1024, vocab 100352, KDA 8 heads of 128 / 256,
-attention 8 / 4 heads of 128, routed experts of 1024 in a 512-wide latent, top 16, a shared
-expert), 4 blocks (block 0 dense; KDA at 0-2, attention at 3), 64 routed experts (EMO
-pools of 16 to 64); seq 4096, GA 2 of 4 sequences; bfloat16 activations, float32 params and
-Adam; remat "full"; 8 vocab tiles; OLMo-core's flags. Tokens are random, with an EOS every
-`DOCUMENT` tokens.
+The slice (`model.config.olmo35_slice`): `olmo35_tiny`'s widths (d_model 1024, vocab 100352,
+KDA 8 heads of 128 / 256, attention 8 / 4 heads of 128, routed experts of 1024 in a 512-wide
+latent, top 16, a shared expert), 4 blocks (block 0 dense; KDA at 0-2, attention at 3), 64
+routed experts (EMO pools of 16 to 64); seq 4096, GA 8 of 1 sequence; bfloat16 activations,
+float32 params and Adam; remat "none"; 8 vocab tiles; OLMo-core's flags. Tokens are random,
+with an EOS every `DOCUMENT` tokens.
 
 Per variant: compile seconds (trace, lower, compile), the best step of `REPEATS`, tokens a
 second, model FLOP/s (`model.flops.step_flops`) over the chip's bfloat16 peak, the compiler's
@@ -44,8 +44,12 @@ class Variant:
     precision: str
     kda_kernel: str = "pallas"
     attention_kernel: str = "pallas"
-    seq_len: int = 4096
-    """The slice's 4 rows of 4096 a micro-batch become fewer, longer rows of as many tokens."""
+    seq_len: int | None = None
+    rows: int | None = None
+    """Sequences a micro-batch. The step keeps the slice's tokens: GA grows as rows and seq_len
+    shrink."""
+    remat: str | None = None
+    """`ScaleConfig.remat_policy`; None keeps the slice's, as do `seq_len` and `rows`."""
 
 
 VARIANTS = {
@@ -53,9 +57,11 @@ VARIANTS = {
     "highest": Variant("highest"),
     "default-xla-kda": Variant("default", kda_kernel="xla"),
     "default-xla-attention": Variant("default", attention_kernel="xla"),
-    "default-seq-8192": Variant("default", seq_len=8192),
+    "default-rows-4-remat-full": Variant("default", rows=4, remat="full"),
+    "default-seq-8192": Variant("default", seq_len=8192, rows=2, remat="full"),
 }
-"""name: matmul precision, `ScaleConfig.kda_kernel` and `attention_kernel`, sequence length."""
+"""name: matmul precision, `ScaleConfig.kda_kernel` and `attention_kernel`, sequence length,
+rows a micro-batch, `ScaleConfig.remat_policy`."""
 DOCUMENT = 1024
 """Tokens a document: an EOS closes each."""
 REPEATS = 5
@@ -71,10 +77,13 @@ def slice_config(variant: str) -> c.Config:
         matmul_precision=v.precision,
         kda_kernel=v.kda_kernel,
         attention_kernel=v.attention_kernel,
+        remat_policy=v.remat or cfg.scale.remat_policy,
     )
-    rows = cfg.train.micro_batch_size * cfg.train.seq_len // v.seq_len
+    seq_len = v.seq_len or cfg.train.seq_len
+    rows = v.rows or cfg.train.micro_batch_size
+    ga_steps = cfg.train.global_batch_size * cfg.train.seq_len // (rows * seq_len)
     train = dataclasses.replace(
-        cfg.train, seq_len=v.seq_len, global_batch_size=cfg.train.ga_steps * rows
+        cfg.train, seq_len=seq_len, ga_steps=ga_steps, global_batch_size=ga_steps * rows
     )
     return dataclasses.replace(cfg, scale=scale, train=train)
 
