@@ -81,7 +81,10 @@ def slice_config(variant: str) -> c.Config:
     )
     seq_len = v.seq_len or cfg.train.seq_len
     rows = v.rows or cfg.train.micro_batch_size
-    ga_steps = cfg.train.global_batch_size * cfg.train.seq_len // (rows * seq_len)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    ga_steps = tokens // (rows * seq_len)
+    if ga_steps * rows * seq_len != tokens:
+        raise ValueError(f"{variant}: {rows} rows of {seq_len} do not divide the step's {tokens}")
     train = dataclasses.replace(
         cfg.train, seq_len=seq_len, ga_steps=ga_steps, global_batch_size=ga_steps * rows
     )
