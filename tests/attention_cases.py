@@ -21,6 +21,18 @@ def attention_inputs(seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(s) * (2.0 if i == 0 else 1.0) for i, s in enumerate(shapes)]
 
 
+def attention_case(documents: bool) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """(`attention_inputs()`, DOCUMENTS or None for whole rows)."""
+    return attention_inputs(), DOCUMENTS if documents else None
+
+
+def float32_case(inputs, segments) -> tuple[list[jax.Array], jax.Array | None]:
+    """A case's inputs in float32 and its segment ids in int32 (None: whole rows), on JAX's
+    default device."""
+    ids = None if segments is None else jnp.asarray(segments, jnp.int32)
+    return [jnp.asarray(x, jnp.float32) for x in inputs], ids
+
+
 def value_and_grads(attend, q, k, v, cotangent, segment_ids):
     """(output, dq, dk, dv) of `attend(q, k, v, segment_ids=...)` for `cotangent`."""
     out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segment_ids=segment_ids), q, k, v)

@@ -3,7 +3,6 @@ CPU: its output and gradients against `causal_attention` in float64, with docume
 and where the model uses it. Mosaic's compile of it is in tests/test_tpu_compile.py."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
@@ -12,13 +11,13 @@ from model.attention import attention_kernel, causal_attention, causal_attention
 from model.attention_pallas import pallas_causal_attention
 from model.config import ATTENTION_KERNELS, AttentionConfig, ScaleConfig
 from tests.attention_cases import (
-    DOCUMENTS,
     HKV,
     D,
     H,
     T,
+    attention_case,
     attention_error,
-    attention_inputs,
+    float32_case,
     float64_attention,
     value_and_grads,
 )
@@ -32,11 +31,9 @@ def _kernel(q, k, v, cotangent, segment_ids):
 
 @pytest.mark.parametrize("documents", [True, False], ids=["documents", "whole_rows"])
 def test_kernel_matches_float64(documents):
-    q, k, v, cotangent = attention_inputs()
-    segments = DOCUMENTS if documents else None
-    expected = float64_attention(q, k, v, cotangent, segments)
-    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, cotangent)]
-    ids = None if segments is None else jnp.asarray(segments, jnp.int32)
+    inputs, segments = attention_case(documents)
+    expected = float64_attention(*inputs, segments)
+    f32, ids = float32_case(inputs, segments)
     assert attention_error(expected, _kernel(*f32, ids)) <= ATTENTION_PALLAS
     off = _kernel(f32[0] * 1.01, *f32[1:], ids)  # a 1% error in the softmax's scale
     assert attention_error(expected, off) > 100 * ATTENTION_PALLAS

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -71,9 +70,9 @@ from parity.kda_systems import (
 )
 from parity.trace import load_trace
 from tests.attention_cases import (
-    DOCUMENTS,
+    attention_case,
     attention_error,
-    attention_inputs,
+    float32_case,
     float64_attention,
     value_and_grads,
 )
@@ -261,12 +260,10 @@ _xla_attention_vjps = jax.jit(functools.partial(value_and_grads, causal_attentio
 def test_flash_attention_on_the_chip(tpu_record, documents):
     """The Pallas flash kernel and XLA's ops on the chip against `causal_attention` in float64
     on the host's CPU: output and gradients, three documents a row or whole rows."""
-    q, k, v, cotangent = attention_inputs()
-    segments = DOCUMENTS if documents else None
+    inputs, segments = attention_case(documents)
     with jax.default_device(jax.devices("cpu")[0]):
-        exact = float64_attention(q, k, v, cotangent, segments)
-    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, cotangent)]
-    ids = None if segments is None else jnp.asarray(segments, jnp.int32)
+        exact = float64_attention(*inputs, segments)
+    f32, ids = float32_case(inputs, segments)
     errors = {
         name: _both(lambda f=f: attention_error(exact, f(*f32, ids)))
         for name, f in (("kernel", _flash_vjps), ("XLA", _xla_attention_vjps))
