@@ -271,8 +271,11 @@ STEP_VARIANTS = {
     "highest": "highest",
     "default-xla-kda": "default, XLA's KDA intra-chunk ops",
     "default-xla-attention": "default, XLA's attention ops",
-    "default-rows-4-remat-full": "default, GA 2 of 4 rows, remat full",
-    "default-seq-8192": "default, seq 8192, GA 2 of 2 rows, remat full",
+    "default-recompute-logits": "default, tiles recompute their logits",
+    "default-tiles-4": "default, 4 tiles recompute their logits",
+    "default-tiles-16": "default, 16 tiles",
+    "default-rows-4-remat-full": "default, GA 2 of 4 rows, remat full, tiles recompute",
+    "default-seq-8192": "default, seq 8192, GA 2 of 2 rows, remat full, tiles recompute",
 }
 """bench.tpu_step's variants as the step table's columns (a record without one leaves it out)."""
 
@@ -381,10 +384,10 @@ def render(record: dict) -> str:
         "",
         "d_model 1024, 4 blocks (KDA 0-2, attention 3; block 0 dense), 64 routed experts of "
         "1024 in a 512 latent, top 16, seq 4096, GA 8 of 1 sequence, bf16 activations, "
-        "fp32 params and Adam, remat none, 8 vocab tiles (bench/tpu_step.py); KDA's intra-chunk "
-        "scores and attention by the Pallas kernels (`model.kda_pallas`, "
-        "`model.attention_pallas`) unless a column says XLA's ops. Every column trains on "
-        "the same 32,768 tokens a step.",
+        "fp32 params and Adam, remat none, 8 vocab tiles that keep their logits for the "
+        "backward pass (bench/tpu_step.py); KDA's intra-chunk scores and attention by the Pallas "
+        "kernels (`model.kda_pallas`, `model.attention_pallas`) unless a column says XLA's ops. "
+        "Every column trains on the same 32,768 tokens a step.",
         "",
         *(
             _step_table(record["step"])

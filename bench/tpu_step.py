@@ -2,15 +2,16 @@
 matmul precision "default" and "highest" (`ScaleConfig.matmul_precision`), at "default" with
 XLA's ops in place of the Pallas KDA intra-chunk kernel (`ScaleConfig.kda_kernel`) or of the
 Pallas flash attention kernel (`ScaleConfig.attention_kernel`), the kernels' befores, with
-GA 2 of 4 rows under remat "full" (the slice's before), and at seq 8192 (GA 2 of 2 rows, remat
-"full"): each in a process of its own so that the chip's peak memory is the step's alone.
+vocab tiles that recompute their logits (8, the slice's before, or 4) or 16 tiles, with GA 2 of
+4 rows under remat "full" (the slice's before), and at seq 8192 (GA 2 of 2 rows, remat "full"):
+each in a process of its own so that the chip's peak memory is the step's alone.
 
 The slice (`model.config.olmo35_slice`): `olmo35_tiny`'s widths (d_model 1024, vocab 100352,
 KDA 8 heads of 128 / 256, attention 8 / 4 heads of 128, routed experts of 1024 in a 512-wide
 latent, top 16, a shared expert), 4 blocks (block 0 dense; KDA at 0-2, attention at 3), 64
 routed experts (EMO pools of 16 to 64); seq 4096, GA 8 of 1 sequence; bfloat16 activations,
-float32 params and Adam; remat "none"; 8 vocab tiles; OLMo-core's flags. Tokens are random,
-with an EOS every `DOCUMENT` tokens.
+float32 params and Adam; remat "none"; 8 vocab tiles keeping their logits; OLMo-core's flags.
+Tokens are random, with an EOS every `DOCUMENT` tokens.
 
 Per variant: compile seconds (trace, lower, compile), the best step of `REPEATS`, tokens a
 second, model FLOP/s (`model.flops.step_flops`) over the chip's bfloat16 peak, the compiler's
@@ -50,6 +51,10 @@ class Variant:
     shrink."""
     remat: str | None = None
     """`ScaleConfig.remat_policy`; None keeps the slice's, as do `seq_len` and `rows`."""
+    vocab_tiles: int | None = None
+    """`TrainConfig.vocab_tiles`; None keeps the slice's."""
+    keep_logits: bool | None = None
+    """`ScaleConfig.vocab_tiles_keep_logits`; None keeps the slice's."""
 
 
 VARIANTS = {
@@ -57,11 +62,14 @@ VARIANTS = {
     "highest": Variant("highest"),
     "default-xla-kda": Variant("default", kda_kernel="xla"),
     "default-xla-attention": Variant("default", attention_kernel="xla"),
-    "default-rows-4-remat-full": Variant("default", rows=4, remat="full"),
-    "default-seq-8192": Variant("default", seq_len=8192, rows=2, remat="full"),
+    "default-rows-4-remat-full": Variant("default", rows=4, remat="full", keep_logits=False),
+    "default-seq-8192": Variant("default", seq_len=8192, rows=2, remat="full", keep_logits=False),
+    "default-tiles-4": Variant("default", vocab_tiles=4, keep_logits=False),
+    "default-tiles-16": Variant("default", vocab_tiles=16),
+    "default-recompute-logits": Variant("default", keep_logits=False),
 }
 """name: matmul precision, `ScaleConfig.kda_kernel` and `attention_kernel`, sequence length,
-rows a micro-batch, `ScaleConfig.remat_policy`."""
+rows a micro-batch, `ScaleConfig.remat_policy`, vocab tiles and whether they keep their logits."""
 DOCUMENT = 1024
 """Tokens a document: an EOS closes each."""
 REPEATS = 5
@@ -78,6 +86,9 @@ def slice_config(variant: str) -> c.Config:
         kda_kernel=v.kda_kernel,
         attention_kernel=v.attention_kernel,
         remat_policy=v.remat or cfg.scale.remat_policy,
+        vocab_tiles_keep_logits=(
+            cfg.scale.vocab_tiles_keep_logits if v.keep_logits is None else v.keep_logits
+        ),
     )
     seq_len = v.seq_len or cfg.train.seq_len
     rows = v.rows or cfg.train.micro_batch_size
@@ -86,7 +97,11 @@ def slice_config(variant: str) -> c.Config:
     if ga_steps * rows * seq_len != tokens:
         raise ValueError(f"{variant}: {rows} rows of {seq_len} do not divide the step's {tokens}")
     train = dataclasses.replace(
-        cfg.train, seq_len=seq_len, ga_steps=ga_steps, global_batch_size=ga_steps * rows
+        cfg.train,
+        seq_len=seq_len,
+        ga_steps=ga_steps,
+        global_batch_size=ga_steps * rows,
+        vocab_tiles=v.vocab_tiles or cfg.train.vocab_tiles,
     )
     return dataclasses.replace(cfg, scale=scale, train=train)
 

@@ -457,6 +457,10 @@ class ScaleConfig(_Config):
     remat_policy: str = "none"
     """Per block, as MaxText's `remat_policy`: "none" keeps every activation, "full" keeps only
     the block's input and recomputes the rest, "save_matmuls" keeps the matmul outputs."""
+    vocab_tiles_keep_logits: bool = False
+    """Vocab tiles (`TrainConfig.vocab_tiles` > 1) keep their logits, in the compute dtype, for
+    the backward pass: one LM-head matmul of four saved, at the cost of [tokens, V] logits held
+    (False: each tile recomputes them; untiled, autodiff keeps them either way)."""
     matmul_precision: str | None = None
     """Precision of every matmul, einsum and Pallas matmul of the train step, one of
     `MATMUL_PRECISIONS`; None: "highest" for float32 and float64 compute, "default" for bfloat16
@@ -590,8 +594,8 @@ def olmo35_slice(n_layers: int = 4) -> Config:
     16, a shared expert), `n_layers` blocks (block 0 dense; attention every 4th), 64 routed
     experts (EMO pools of 16 to 64); seq 4096, GA 8 of 1 sequence; bfloat16 activations, float32
     params and Adam; remat "none" (the 4 blocks' activations of one sequence fit the chip beside
-    the state, and nothing is computed twice); 8 vocab tiles. `n_layers` 16 is the hero's
-    depth."""
+    the state, and nothing is computed twice); 8 vocab tiles that keep their logits for the
+    backward pass. `n_layers` 16 is the hero's depth."""
     hero, experts = olmo35_tiny(), 64
     model = dataclasses.replace(
         hero.model,
@@ -607,7 +611,7 @@ def olmo35_slice(n_layers: int = 4) -> Config:
     train = dataclasses.replace(
         hero.train, seq_len=4096, ga_steps=8, global_batch_size=8, vocab_tiles=8
     )
-    scale = dataclasses.replace(hero.scale, remat_policy="none")
+    scale = dataclasses.replace(hero.scale, remat_policy="none", vocab_tiles_keep_logits=True)
     return dataclasses.replace(hero, model=model, train=train, scale=scale)
 
 

@@ -3,12 +3,15 @@
 batch's count of labels that are not ignored, OLMo-core's `loss_div_factor`), and vocab tiling.
 
 Vocab tiling computes LM head + loss tile by tile under `lax.scan` with rematerialisation, so the
-[tokens, V] logits exist for one tile at a time in the forward and the backward. Flat tiling cuts
-the flattened [B * T] tokens; seq-major (`Flags.vocab_tiling_seq_major`) cuts the sequence, every
-tile holding all rows. On a mesh every tile's rows are split over the batch axes, as MaxText's
-(`reshaped_hidden_spec`), so each device computes its share of every tile: a flat tile's rows come
-from a few devices' rows, so XLA gathers the hidden states to lay them out; a seq-major tile's rows
-are where the batch's already are, and nothing moves.
+[tokens, V] logits in full precision exist for one tile at a time in the forward and the backward;
+the backward pass recomputes each tile's logits with the LM head's matmul, or keeps them from the
+forward in the compute dtype (`keep_logits`), a matmul fewer for [tokens, V] of memory.
+
+Flat tiling cuts the flattened [B * T] tokens; seq-major (`Flags.vocab_tiling_seq_major`) cuts the
+sequence, every tile holding all rows. On a mesh every tile's rows are split over the batch axes,
+as MaxText's (`reshaped_hidden_spec`), so each device computes its share of every tile: a flat
+tile's rows come from a few devices' rows, so XLA gathers the hidden states to lay them out; a
+seq-major tile's rows are where the batch's already are, and nothing moves.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from model.data import IGNORE_INDEX
 from model.layout import Layout
 from model.precision import full_precision, upcast
+
+TILE_LOGITS = "vocab_tile_logits"
+"""The name a tile's logits carry for `jax.checkpoint`'s policy."""
 
 
 def cross_entropy_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -42,9 +49,11 @@ def lm_head_loss_sums(
     tiles: int = 1,
     seq_major: bool = False,
     layout: Layout | None = None,
+    keep_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`cross_entropy_sums(hidden @ w_out, labels)` in `tiles` tiles, on `layout`'s mesh (None:
-    one device).
+    one device). The backward pass recomputes each tile's logits, or with `keep_logits` keeps
+    them from the forward (`ScaleConfig.vocab_tiles_keep_logits`).
 
     hidden [B, T, D] (after the LM-head norm); w_out [D, V]; labels [B, T]. Flat tiling needs
     `tiles` to divide B * T, seq-major to divide T.
@@ -70,11 +79,13 @@ def lm_head_loss_sums(
         hidden = layout.constrain(hidden, (*rows, "embed"))
         labels = layout.constrain(labels, rows)
 
-    @jax.checkpoint
     def tile(sums, x):
         h, y = x
-        ce, z = cross_entropy_sums(h @ w_out, y)
+        ce, z = cross_entropy_sums(checkpoint_name(h @ w_out, TILE_LOGITS), y)
         return (sums[0] + ce, sums[1] + z), None
+
+    keep = jax.checkpoint_policies.save_only_these_names(TILE_LOGITS) if keep_logits else None
+    tile = jax.checkpoint(tile, policy=keep)
 
     zero = jnp.zeros((), full_precision(jnp.result_type(hidden, w_out)))
     (ce, z), _ = lax.scan(tile, (zero, zero), (hidden, labels))

@@ -51,6 +51,7 @@ def _terms(graphdef, cfg: Config, params, mb, div, layout: Layout | None):
         tiles=cfg.train.vocab_tiles,
         seq_major=cfg.flags.vocab_tiling_seq_major,
         layout=layout,
+        keep_logits=cfg.scale.vocab_tiles_keep_logits,
     )
     lb = aux.lb_loss
     if groups > 1:  # logged: the first device's, scaled to the batch; gradient: every device's

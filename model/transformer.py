@@ -77,6 +77,7 @@ class LMHead(nnx.Module):
         tiles: int,
         seq_major: bool,
         layout: Layout | None = None,
+        keep_logits: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
         """The CE and z-loss sums over the labels not ignored of hidden states h [B, T, d_model]
         and labels [B, T], the logits made a vocab tile at a time (`model.loss.lm_head_loss_sums`;
@@ -88,6 +89,7 @@ class LMHead(nnx.Module):
             tiles=tiles,
             seq_major=seq_major,
             layout=layout,
+            keep_logits=keep_logits,
         )
 
 

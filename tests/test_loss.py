@@ -1,12 +1,15 @@
 """The LM loss against OLMo-core's `cross_entropy_loss` (goldens/loss.safetensors), and vocab
-tiling, flat and seq-major, against the untiled loss, on 1 device and with the tiles laid out over
-8 (rows split over the mesh, as the model's `Layout` lays them out)."""
+tiling, flat and seq-major, recomputing its logits in the backward pass or keeping them, against
+the untiled loss, on 1 device and with the tiles laid out over 8 (rows split over the mesh, as the
+model's `Layout` lays them out)."""
 
 import functools
+import re
 
 import jax
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from goldens.loss import Z_WEIGHT
 from goldens.tolerances import FP32_FORWARD, FP32_GRAD, VOCAB_TILING
@@ -29,13 +32,17 @@ def test_cross_entropy_matches_olmo_core(golden):
     assert_close("grad.logits", expected=g["grad.logits"], actual=grad, tol=FP32_GRAD)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "seq_major", "layout"))
-def _loss_and_grads(hidden, w_out, labels, *, tiles, seq_major, layout=None):
+def _tiled_objective(labels, **tiling):
     def f(hidden, w_out):
-        sums = lm_head_loss_sums(
-            hidden, w_out, labels, tiles=tiles, seq_major=seq_major, layout=layout
-        )
+        sums = lm_head_loss_sums(hidden, w_out, labels, **tiling)
         return _objective(sums), sums
+
+    return f
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "seq_major", "layout", "keep_logits"))
+def _loss_and_grads(hidden, w_out, labels, **tiling):
+    f = _tiled_objective(labels, **tiling)
 
     grads, sums = jax.grad(f, argnums=(0, 1), has_aux=True)(hidden, w_out)
     return sums, grads
@@ -50,9 +57,10 @@ def _batch():
     return hidden, w_out, labels
 
 
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recompute", "keep"])
 @pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("seq_major", [False, True], ids=["flat", "seq-major"])
-def test_vocab_tiling_matches_untiled(seq_major, devices):
+def test_vocab_tiling_matches_untiled(seq_major, devices, keep_logits):
     hidden, w_out, labels = _batch()
     expected = _loss_and_grads(hidden, w_out, labels, tiles=1, seq_major=False)
     layout = None
@@ -60,8 +68,33 @@ def test_vocab_tiling_matches_untiled(seq_major, devices):
         layout = Layout(make_mesh(data=2, fsdp=2, expert=2))
         rows = layout.sharding(("batch",), labels.shape[:1])
         hidden, labels = jax.device_put(hidden, rows), jax.device_put(labels, rows)
-    actual = _loss_and_grads(hidden, w_out, labels, tiles=4, seq_major=seq_major, layout=layout)
+    actual = _loss_and_grads(
+        hidden,
+        w_out,
+        labels,
+        tiles=4,
+        seq_major=seq_major,
+        layout=layout,
+        keep_logits=keep_logits,
+    )
     assert_close("loss and grads", expected=expected, actual=actual, tol=VOCAB_TILING)
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_tiles_keep_their_logits_only_when_asked(keep_logits, capsys):
+    """What the backward pass keeps of the forward: with `keep_logits` every tile's logits
+    [tiles, tokens / tiles, V] (so the LM head's matmul is not run again), without it nothing
+    of the vocab's width but the weight."""
+    hidden, w_out, labels = _batch()
+    f = _tiled_objective(labels, tiles=4, keep_logits=keep_logits)
+    capsys.readouterr()
+    print_saved_residuals(lambda h, w: f(h, w)[0], hidden, w_out)
+    kept = [
+        tuple(map(int, s.split(","))) for s in re.findall(r"\[([\d,]+)\]", capsys.readouterr().out)
+    ]
+    V = w_out.shape[-1]
+    logits = (4, labels.size // 4, V)
+    assert [s for s in kept if V in s and s != w_out.shape] == ([logits] if keep_logits else [])
 
 
 def test_tiles_must_divide_the_tiled_axis():
