@@ -327,11 +327,17 @@ def _train_table(train: dict) -> list[str]:
 
 
 def _profile_table(profile: dict) -> list[str]:
-    lines = ["| op family | ms a step | share of the step |", "|---|---|---|"]
+    lines = [
+        "| op family | ms a step | share of the step | model TFLOP a step | model TFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
     families = [k.removesuffix(".share") for k in profile if k.endswith(".share")]
     for family in sorted(families, key=lambda f: -profile[f"{f}.share"]):
         seconds, share = profile[f"{family}.seconds"], profile[f"{family}.share"]
-        lines.append(f"| {family} | {seconds * 1e3:.1f} | {share:.1%} |")
+        flops = profile.get(f"{family}.flops")
+        rate = ["", ""] if flops is None else [_g(flops * 1e-12), _g(flops / seconds * 1e-12)]
+        cells = [family, f"{seconds * 1e3:.1f}", f"{share:.1%}", *rate]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -415,9 +421,11 @@ def render(record: dict) -> str:
         "after 2: each op the chip ran goes to the family of the innermost named scope in its "
         "HLO metadata (`jax.named_scope` in the model; a fusion without one, to the family most "
         "of its ops carry), else to copies and layout or other compute by its opcode; idle is "
-        "the step's wall time the chip ran no op (parity/profile.py). The trace gives no "
-        "FLOPs per op, so the families' FLOP/s are not shown; the whole step's are in the "
-        "tpu-step table.",
+        "the step's wall time the chip ran no op (parity/profile.py). A family's model FLOPs "
+        "are the step's (the tpu-step table's) split by the named scope that computes them "
+        "(`model.flops.scope_flops`; other compute: the dense feed-forward and the norms): what "
+        "the maths needs, not what the chip ran (a recomputation, the KDA chunk's blocks of 8 "
+        "and padding run more).",
         "",
         *(
             _profile_table(record["profile"])

@@ -18,9 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from parity.profile import FamilyTime, HloOp, device_ops, hlo_ops, split
+from bench.tpu_step import slice_config, slice_step
+from model.flops import scope_flops
+from parity.profile import FamilyTime, HloOp, device_ops, family_flops, hlo_ops, split
 
 STEPS, WARMUP = 3, 2
+VARIANT = "default"
+"""The `bench.tpu_step` variant profiled."""
 
 
 def _split(work: Path) -> list[FamilyTime]:
@@ -36,9 +40,7 @@ def capture(work: Path) -> None:
     """Trace `STEPS` steps of the slice after `WARMUP` on this host's TPU into `work`."""
     import jax
 
-    from bench.tpu_step import slice_step
-
-    _, state, batch, compiled, _ = slice_step("default", "tpu-profile")
+    _, state, batch, compiled, _ = slice_step(VARIANT, "tpu-profile")
     ops = {name: dataclasses.asdict(op) for name, op in hlo_ops(compiled.as_text()).items()}
     (work / "ops.json").write_text(json.dumps(ops))
     for _ in range(WARMUP):
@@ -59,16 +61,18 @@ def capture(work: Path) -> None:
 
 def run() -> dict[str, float]:
     """A capture in a child process (which holds the chip), then its split: figures named
-    "<family>.seconds|share"."""
+    "<family>.seconds|share", and "<family>.flops", the step's model FLOPs the family computes
+    (`model.flops.scope_flops`), where it has any."""
     with tempfile.TemporaryDirectory() as work:
         child = [sys.executable, "-m", "bench.tpu_profile", "capture", work]
         done = subprocess.run(child, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"bench tpu-profile failed:\n{done.stderr[-3000:]}")
         rows = _split(Path(work))
+    flops = family_flops(scope_flops(slice_config(VARIANT)))
     return {
         f"{row.family}.{key}": getattr(row, key) for row in rows for key in ("seconds", "share")
-    }
+    } | {f"{family}.flops": value for family, value in flops.items()}
 
 
 def summary(figures: dict[str, float]) -> list[str]:

@@ -15,6 +15,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+from model.flops import UNSCOPED
+
 FAMILIES = {
     "kda_inverse": "KDA chunk: inverse",
     "kda_intra_chunk": "KDA chunk: intra-chunk",
@@ -76,6 +78,15 @@ class FamilyTime:
     """A step's."""
     share: float
     """Of the step's wall time."""
+
+
+def family_flops(flops: dict[str, float]) -> dict[str, float]:
+    """`model.flops.scope_flops`' FLOPs by family: a named scope's as `FAMILIES` names it, those
+    of no scope (`model.flops.UNSCOPED`) as `OTHER`."""
+    unknown = sorted(set(flops) - set(FAMILIES) - {UNSCOPED})
+    if unknown:
+        raise ValueError(f"FLOPs of named scopes no profile family takes: {unknown}")
+    return {FAMILIES.get(scope, OTHER): value for scope, value in flops.items()}
 
 
 def family_of(op_name: str) -> str | None:

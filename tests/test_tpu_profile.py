@@ -4,16 +4,28 @@ family most of its ops carry, an op of none to copies and layout or other comput
 A chunk KDA gradient's lowered module carries the inverse, intra-chunk and inter-chunk families,
 so the scopes the model sets and the ones the profile reads are the same names (read before
 compiling: the persistent compile cache's keys leave metadata out, so a cached executable can
-carry an older module's names)."""
+carry an older module's names). Every named scope the model's FLOPs are counted by is a family."""
 
 import collections
 import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
+from model.config import olmo35_slice
+from model.flops import UNSCOPED, scope_flops, step_flops
 from model.kda_chunk import chunk_kda
-from parity.profile import FAMILIES, LAYOUT, OTHER, HloOp, classify, family_of, hlo_ops
+from parity.profile import (
+    FAMILIES,
+    LAYOUT,
+    OTHER,
+    HloOp,
+    classify,
+    family_flops,
+    family_of,
+    hlo_ops,
+)
 
 
 def test_the_innermost_scope_names_the_family():
@@ -68,3 +80,14 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     assert ops["fusion.3"] == HloOp("fusion", "", ("jit(f)/router/exp",))
     assert classify(ops["fusion.3"]) == FAMILIES["router"]
     assert classify(ops["copy.2"]) == LAYOUT
+
+
+def test_the_models_flops_go_to_the_families():
+    flops = scope_flops(olmo35_slice())
+    by_family = family_flops(flops)
+    assert by_family[OTHER] == flops[UNSCOPED]
+    assert by_family[FAMILIES["kda_inverse"]] == flops["kda_inverse"]
+    assert set(by_family) <= {*FAMILIES.values(), OTHER}
+    assert sum(by_family.values()) == step_flops(olmo35_slice())
+    with pytest.raises(ValueError, match=r"no profile family takes: \['kda_scan'\]"):
+        family_flops(flops | {"kda_scan": 1.0})
