@@ -320,16 +320,17 @@ def chunk_kda(
         k_tail = jnp.where(in_last[..., None], jnp.exp(_suffix_sums(g)) * k, 0.0)
         gamma_end = jnp.where(carry[..., -1:], jnp.exp(G[..., -1, :]), 0.0)  # [B, H, N, K]
 
-    def step(S, x):  # S [B, H, K, V]; one chunk of every input
-        q_n, w_n, u_n, A_qk_n, gamma_n, k_tail_n, gamma_end_n = x
+    def step(S, x):  # S [B, H, K, V], the state the chunk starts from; one chunk of each input
+        w_n, u_n, k_tail_n, gamma_end_n = x
         v_new = u_n - w_n @ S  # [B, H, C, V]
-        o = (q_n * gamma_n) @ S + A_qk_n @ v_new
-        S = gamma_end_n[..., None] * S + jnp.swapaxes(k_tail_n, -1, -2) @ v_new
-        return S, o
+        return gamma_end_n[..., None] * S + jnp.swapaxes(k_tail_n, -1, -2) @ v_new, (S, v_new)
 
-    per_chunk = [jnp.moveaxis(x, 2, 0) for x in (q, w, u, A_qk, gamma, k_tail, gamma_end)]
     with jax.named_scope("kda_inter_chunk"):
-        state, o = lax.scan(step, state, per_chunk)  # o [N, B, H, C, V]
-    o = jnp.moveaxis(o, 0, 2)  # shape: [B, H, N, C, V] -> [B, N*C, H, V]
-    o = jnp.moveaxis(o.reshape(B, H, -1, o.shape[-1]), 1, 2)
+        # only the state runs chunk by chunk; each chunk's output, from the state it started
+        # from, is one batched matmul over all chunks after the scan
+        per_chunk = [jnp.moveaxis(x, 2, 0) for x in (w, u, k_tail, gamma_end)]
+        state, (starts, v_new) = lax.scan(step, state, per_chunk)  # [N, B, H, K | C, V]
+        starts, v_new = (jnp.moveaxis(x, 0, 2) for x in (starts, v_new))  # [B, H, N, ...]
+        o = (q * gamma) @ starts + A_qk @ v_new  # [B, H, N, C, V]
+    o = jnp.moveaxis(o.reshape(B, H, -1, o.shape[-1]), 1, 2)  # shape: -> [B, N*C, H, V]
     return o[:, :T], state
