@@ -58,8 +58,8 @@ def test_each_scope_of_weights_counts_the_models_parameters(preset):
     cfg = PRESETS[preset]()
     m = cfg.model
     _, params = abstract_params(cfg)
-    counted = dict.fromkeys(("vocab_loss", "kda", "attention", "router", "moe", UNSCOPED), 0.0)
-    counted["grouped_matmul"] = 0.0
+    scopes = ("vocab_loss", "kda", "attention", "router", "grouped_matmul", "moe", UNSCOPED)
+    counted = dict.fromkeys(scopes, 0.0)
     for path, leaf in nnx.to_flat_state(params):
         scope = _scope(path, cfg)
         if scope is not None:

@@ -43,7 +43,6 @@ def _tiled_objective(labels, **tiling):
 @functools.partial(jax.jit, static_argnames=("tiles", "seq_major", "layout", "keep_logits"))
 def _loss_and_grads(hidden, w_out, labels, **tiling):
     f = _tiled_objective(labels, **tiling)
-
     grads, sums = jax.grad(f, argnums=(0, 1), has_aux=True)(hidden, w_out)
     return sums, grads
 
