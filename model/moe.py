@@ -96,6 +96,26 @@ def megablox_matmul(
     return at_kernel_precision(gmm, kernel_precision(x.dtype, w.dtype), x, w, group_sizes)
 
 
+@jax.custom_vjp
+def gather_rows(x: jax.Array, index: jax.Array, readers: jax.Array) -> jax.Array:
+    """x[index] [M, L] for x [R, L], a row of zeros where index >= R. `readers` [R, r] names the
+    rows of the result that read each row of x (M for none; at most r). The gradient gathers the
+    result's rows through `readers` and sums them, where XLA's transpose of a gather would
+    scatter-add, which a TPU runs slowly."""
+    return x.at[index].get(mode="fill", fill_value=0)
+
+
+def _gather_rows_forward(x, index, readers):
+    return gather_rows(x, index, readers), readers
+
+
+def _gather_rows_backward(readers, dy):
+    return jnp.sum(dy.at[readers].get(mode="fill", fill_value=0), axis=1), None, None
+
+
+gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
+
+
 @jax.named_scope("moe_dispatch")
 def routed_experts(
     z: jax.Array,
@@ -108,7 +128,8 @@ def routed_experts(
 ) -> jax.Array:
     """Dropless grouped dispatch, same arguments and result as `naive_routed_experts`: token slots
     sorted by expert (stable), two grouped matmuls (`matmul`: `ragged_matmul` or
-    `megablox_matmul`), slots put back and summed over k. Slots of index E sort last, outside
+    `megablox_matmul`), slots put back and summed over k; both moves are gathers, forward and
+    backward (`gather_rows`). Slots of index E sort last, outside
     every group, where `matmul` may leave its output and its gradient unwritten: their rows are
     gathered as zeros (their gradient dropped) and read back as zeros. Group sizes are counted
     by comparison, not by `bincount`, a scatter-add that XLA's TPU backend runs as a sort."""
@@ -119,11 +140,12 @@ def routed_experts(
     group_sizes = expert_counts(flat, E)
     grouped = jnp.arange(N * k) < jnp.sum(group_sizes)  # the rows of slots of index E sort last
     token = jnp.where(grouped, order // k, N)  # shape: [N*k], grouped by expert; N: none
-    rows = z.at[token].get(mode="fill", fill_value=0)  # shape: [N*k, L]
+    slot = jnp.where(grouped, order, N * k)  # each row's slot; N*k: none
+    row = jnp.where(flat < E, jnp.argsort(order), N * k)  # each slot's row; N*k: none
+    rows = gather_rows(z, token, row.reshape(N, k))  # shape: [N*k, L]
     h = swiglu(matmul(rows, jnp.swapaxes(w_up_gate, 1, 2), group_sizes))
     out = matmul(h, w_down, group_sizes)  # shape: [N*k, L]
-    row = jnp.where(flat < E, jnp.argsort(order), N * k)  # each slot's row; N*k: none
-    slots = out.at[row].get(mode="fill", fill_value=0).reshape(N, k, -1)
+    slots = gather_rows(out, row, slot[:, None]).reshape(N, k, -1)
     return jnp.sum(weights[..., None] * slots, axis=1)
 
 
