@@ -53,10 +53,16 @@ error; the tolerance is above it to keep 10x. Loosened from atol 5e-6 (9.7x marg
 BITWISE = Tol(rtol=0.0, atol=0.0)
 """Not a rounding tolerance: the same bits (a skipped step's params and Adam state; gradients that
 only the logging path differs in). Measured 0."""
-VOCAB_TILING = Tol(rtol=1e-6, atol=1e-4)
-"""Tiled vs untiled LM-head loss and gradients, flat and seq-major, on 1 and 8 devices: the same
-math summed in another order. Measured: the z sum (2.4e4) 1.95e-3 max abs (8e-8 relative), using
-1/12.5 of this bound; the w_out gradient 2.7e-6 max abs on |g| <= 7.0."""
+VOCAB_TILING = Tol(rtol=1e-5, atol=3e-4)
+"""Tiled vs untiled LM-head loss sums and each sum's gradients (CE's and z's apart), flat and
+seq-major, on 1 and 8 devices: the same math summed in another order (the backward pass over
+vocab tiles). Measured on an AMD EPYC: the z sum (2.4e4) 7.8e-3 max abs (3.2e-7 relative); z's
+gradients 2.3e-5 (w_out, |g| <= 35) and 3.8e-6 (hidden); CE's 5.4e-6 and 7.2e-7. The worst
+element uses 1/27 of this bound."""
+BF16_TILED_GRADIENT_ROUNDING = 1.1
+"""In bfloat16, the vocab-tiled loss's gradients' error from float64 (relative by norms) over the
+untiled loss's: measured 1.0000 (hidden) and 1.0001 (w_out) with 8 tiles. Summing the tiles'
+weight gradients in bfloat16, as a backward pass over token tiles did, measured 2.28."""
 ATTENTION_SEPARATE_RUNS = FP32_FORWARD
 """Attention: a document inside a row (segment masking) vs the document alone, the same sums over
 fewer, exactly masked keys. Measured 2.1e-7 max abs on |y| <= 2.4, 1/119 of this bound (it was

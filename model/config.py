@@ -528,6 +528,12 @@ class Config(_Config):
             f"olmo_segment_ids_from_eos={eos} differs from model.eos_token_id="
             f"{self.model.eos_token_id}",
         )
+        self._require(
+            self.model.vocab_size % self.train.vocab_tiles == 0,
+            "train",
+            f"vocab_tiles={self.train.vocab_tiles} must divide model.vocab_size="
+            f"{self.model.vocab_size} (the backward pass walks the vocabulary in as many tiles)",
+        )
 
 
 def olmo_core(config: Config, *, global_indices_path: str | None = None) -> Config:

@@ -161,6 +161,13 @@ BAD = [
         "Config.flags",
         id="eos-flag",
     ),
+    pytest.param(
+        lambda: dataclasses.replace(
+            c.micro(), train=dataclasses.replace(c.micro().train, vocab_tiles=5)
+        ),
+        "Config.train",
+        id="vocab-tiles",
+    ),
 ]
 
 
