@@ -87,6 +87,7 @@ def _vocab_tiles_backward(keep_logits, residuals, cotangents):
     keep = labels != IGNORE_INDEX
     softmax_weight = jnp.where(keep, dce + 2 * dz * lse, 0.0)[..., None]
     label_weight = jnp.where(keep, dce, 0.0)[..., None]
+    sum_dtype = full_precision(hidden.dtype)
 
     def vocab_tile(d_hidden, j):
         first = j * width
@@ -102,7 +103,6 @@ def _vocab_tiles_backward(keep_logits, residuals, cotangents):
         d_w = jnp.tensordot(hidden, d_logits, axes=(tokens, tokens))  # [D, V / tiles]
         return d_hidden + jnp.matmul(d_logits, w_j.T, preferred_element_type=sum_dtype), d_w
 
-    sum_dtype = full_precision(hidden.dtype)
     zeros = jnp.zeros(hidden.shape, sum_dtype)
     d_hidden, d_w = lax.scan(vocab_tile, zeros, jnp.arange(tiles))  # d_w [tiles, D, V / tiles]
     d_w = jnp.moveaxis(d_w, 0, 1).reshape(w_out.shape)
