@@ -89,7 +89,8 @@ def _vocab_tiles_backward(keep_logits, residuals, cotangents):
     label_weight = jnp.where(keep, dce, 0.0)[..., None]
     sum_dtype = full_precision(hidden.dtype)
 
-    def vocab_tile(d_hidden, j):
+    def vocab_tile(carry, j):
+        d_hidden, d_w = carry
         first = j * width
         w_j = lax.dynamic_slice_in_dim(w_out, first, width, axis=-1)  # [D, V / tiles]
         if keep_logits:
@@ -100,13 +101,14 @@ def _vocab_tiles_backward(keep_logits, residuals, cotangents):
         is_label = labels[..., None] == first + jnp.arange(width)
         d_logits = p * softmax_weight - jnp.where(is_label, label_weight, 0.0)
         d_logits = d_logits.astype(logits_j.dtype)
-        d_w = jnp.tensordot(hidden, d_logits, axes=(tokens, tokens))  # [D, V / tiles]
-        return d_hidden + jnp.matmul(d_logits, w_j.T, preferred_element_type=sum_dtype), d_w
+        d_w_j = jnp.tensordot(hidden, d_logits, axes=(tokens, tokens))  # [D, V / tiles]
+        d_hidden = d_hidden + jnp.matmul(d_logits, w_j.T, preferred_element_type=sum_dtype)
+        d_w = lax.dynamic_update_slice_in_dim(d_w, d_w_j.astype(d_w.dtype), first, axis=-1)
+        return (d_hidden, d_w), None
 
-    zeros = jnp.zeros(hidden.shape, sum_dtype)
-    d_hidden, d_w = lax.scan(vocab_tile, zeros, jnp.arange(tiles))  # d_w [tiles, D, V / tiles]
-    d_w = jnp.moveaxis(d_w, 0, 1).reshape(w_out.shape)
-    return d_hidden.astype(hidden.dtype), d_w.astype(w_out.dtype), None
+    zeros = (jnp.zeros(hidden.shape, sum_dtype), jnp.zeros(w_out.shape, w_out.dtype))
+    (d_hidden, d_w), _ = lax.scan(vocab_tile, zeros, jnp.arange(tiles))
+    return d_hidden.astype(hidden.dtype), d_w, None
 
 
 _tiled_sums.defvjp(_tiled_sums_forward, _vocab_tiles_backward)
