@@ -1,13 +1,13 @@
 """Lockstep, the replay's default view: OLMo-core's own train module beside the JAX step, both from
-OLMo-core's state every step. Five steps with the JAX side on 8 simulated devices
-(`python -m parity.replay --steps 5 --mesh fsdp=4,expert=2`) pass on every metric, MoE layer and
-tensor (gradient, update, Adam moments) within the measured LOCKSTEP_* tolerances, OLMo-core's
-metrics are the trace's, and replay.json has the issue's format. On one device, one MoE layer's
-router gradient 1% off at step 3 is named: step, tensor, block; at step 2 of the same run, the
-whole step's update 0.1% off, one tensor's Adam moment 1% off and the smallest gradient 1% off
-are named, and too many rerouted steps in a window; a rerouted step loosens only its blocks. The
-other faults
-(tests/test_injected_faults.py) and the whole epoch (tests/test_lockstep_full.py) are slow."""
+OLMo-core's state every step. Five steps with the JAX side on 8 simulated devices, all three mesh
+axes at once (`python -m parity.replay --steps 5 --mesh data=2,fsdp=2,expert=2`), pass on every
+metric, MoE layer and tensor (gradient, update, Adam moments) within the measured LOCKSTEP_*
+tolerances, OLMo-core's metrics are the trace's, and replay.json has the issue's format. On one
+device, one MoE layer's router gradient 1% off at step 3 is named: step, tensor, block; at step 2
+of the same run, the whole step's update 0.1% off, one tensor's Adam moment 1% off and the
+smallest gradient 1% off are named, and too many rerouted steps in a window; a rerouted step
+loosens only its blocks. The other faults (tests/test_injected_faults.py) and the whole epoch
+(tests/test_lockstep_full.py) are slow."""
 
 import dataclasses
 import json
@@ -33,7 +33,7 @@ from parity.trace import load_trace
 from tests.lockstep_faults import FAULTS, ROUTER
 
 STEPS = 5
-MESH = "fsdp=4,expert=2"
+MESH = "data=2,fsdp=2,expert=2"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def lockstepped(tmp_path_factory):
 def test_five_steps_on_a_mesh_pass_on_every_metric_layer_and_tensor(lockstepped):
     code, record, out = lockstepped
     assert code == 0 and record["view"] == "lockstep" and record["passed"]
-    assert record["mesh"] == {"data": 1, "fsdp": 4, "expert": 2}
+    assert record["mesh"] == {"data": 2, "fsdp": 2, "expert": 2}
     assert (record["platform"], record["device"]) == ("cpu", "cpu")
     assert record["matmul_precision"] == "highest"  # float32 compute, no --matmul-precision
     assert record["tpu_transcendentals"] is None

@@ -2,8 +2,9 @@
 one GA-2 train step's accumulation (global load balancing on) from OLMo-core's step-0 weights, on
 each (data, fsdp, expert) mesh, gives one device's terms, expert counts and gradients before
 clipping. The optimizer is not run: the gradients it would take are compared instead of what
-it reports (lr, grad_norm, skipped). The gate runs the mesh (2, 2, 2); (1, 8, 1) and (1, 2, 4)
-are slow. Where params live: tests/test_sharded_layout.py."""
+it reports (lr, grad_norm, skipped). All three meshes are slow: the gate holds the mesh (2, 2, 2)
+against OLMo-core itself, by lockstep (tests/test_lockstep.py), and the trainer's checkpoints on
+it (tests/test_train.py). Where params live: tests/test_sharded_layout.py."""
 
 import dataclasses
 import functools
@@ -20,14 +21,9 @@ from parity.run import MeshShape, Run, parts_at
 from parity.trace import load_trace
 from tests.compare import assert_close, assert_gaps_within, leaf_gaps
 
-MESHES = [
-    pytest.param(1, 8, 1, marks=pytest.mark.slow),
-    (2, 2, 2),
-    pytest.param(1, 2, 4, marks=pytest.mark.slow),
-]
+MESHES = [(1, 8, 1), (2, 2, 2), (1, 2, 4)]
 """(data, fsdp, expert); 8 rows a micro-batch split over all 8 devices on each: every weight
-split 8 ways (slow), all three axes at once (the gate's), and 4 expert groups with their weights
-split over fsdp (slow). (1, 4, 2) is lockstep's mesh in the gate (tests/test_lockstep.py)."""
+split 8 ways, all three axes at once, and 4 expert groups with their weights split over fsdp."""
 
 
 def _config() -> c.Config:
@@ -73,11 +69,13 @@ def assert_same_step(expected, actual) -> None:
     assert_gaps_within("mesh vs one device", gaps, MESH_SAME_AS_ONE_DEVICE_PER_TENSOR, "a step")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("data", "fsdp", "expert"), MESHES, ids=lambda n: str(n))
 def test_a_steps_gradients_on_the_mesh_are_one_devices(one_device, data, fsdp, expert):
     assert_same_step(one_device, _step(data, fsdp, expert))
 
 
+@pytest.mark.slow
 def test_a_one_percent_error_in_the_smallest_gradient_is_seen(one_device):
     """Block 5's A_log gradient (norm 7e-7, under every elementwise atol) 1% off: the elementwise
     check lets it through, the per-tensor one does not."""

@@ -3,8 +3,10 @@ step, bit for bit), resumes bit for bit on one device and on an 8-device mesh, r
 checkpoint saved on one mesh onto another, and names every bad input before it writes anything.
 
 One straight run a mesh saves after each of its steps; resuming from its step-1 checkpoint gives
-"k steps, a restart, N - k steps" without a second straight run. The compiled steps are the ones
-the replay tests compile (the same config and meshes), so this file adds little compile time."""
+"k steps, a restart, N - k steps" without a second straight run. On one device the compiled step
+is the free-running replay's (tests/test_replay.py); on the mesh the model is the micro config cut
+to two blocks (the trace's first and last), whose step compiles in a fraction of the micro
+model's time."""
 
 import dataclasses
 import json
@@ -17,6 +19,7 @@ import safetensors.numpy
 
 from goldens.store import resolve
 from goldens.tolerances import BITWISE
+from model.config import Config, hybrid_layer_types
 from parity import checkpoint
 from parity.lockstep_check import bounds
 from parity.run import MeshShape, Run, free_running
@@ -36,7 +39,7 @@ from parity.train_data import DataFiles
 from tests.compare import assert_close
 
 STEPS = 3
-MESH = MeshShape(fsdp=4, expert=2)
+MESH = MeshShape(data=2, fsdp=2, expert=2)
 """Lockstep's gate mesh."""
 MESH_STEPS = 2
 """On the mesh each save takes seconds (orbax writes every shard of every array)."""
@@ -50,13 +53,37 @@ def _data() -> DataFiles:
 ONE = MeshShape()
 
 
-def _plan(tmp, *, mesh=ONE, steps=STEPS, **kw) -> Plan:
+def _two_blocks() -> Config:
+    """The micro config cut to its first block (KDA, the dense feed-forward) and its last
+    (attention, the MoE)."""
+    cfg = load_trace().config
+    layers = hybrid_layer_types(2, attention_every=2)
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, n_layers=2, layer_types=layers)
+    )
+
+
+def _two_block_weights(tmp) -> str:
+    """The trace's step-0 weights of blocks 0 and 7 as blocks 0 and 1, an OLMo-core state dict
+    in safetensors (`--init PATH`): no init to compile."""
+    last = f"blocks.{load_trace().config.model.n_layers - 1}."
+    weights = {
+        name.replace(last, "blocks.1."): w
+        for name, w in load_trace().params(0).items()
+        if not name.startswith("blocks.") or name.startswith(("blocks.0.", last))
+    }
+    path = tmp / "two_blocks.safetensors"
+    safetensors.numpy.save_file(weights, str(path))
+    return str(path)
+
+
+def _plan(tmp, *, mesh=ONE, steps=STEPS, config=None, init="trace", **kw) -> Plan:
     return Plan(
-        config=load_trace().config,
+        config=load_trace().config if config is None else config,
         steps=steps,
         data=_data(),
         mesh=mesh,
-        init="trace",
+        init=init,
         checkpoints=Checkpointing(tmp / "checkpoints", save_every=1, keep=STEPS),
         out=tmp / "out",
         **kw,
@@ -93,7 +120,10 @@ def one_device(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def on_mesh(tmp_path_factory):
-    plan = _plan(tmp_path_factory.mktemp("mesh"), mesh=MESH, steps=MESH_STEPS)
+    tmp = tmp_path_factory.mktemp("mesh")
+    plan = _plan(
+        tmp, mesh=MESH, steps=MESH_STEPS, config=_two_blocks(), init=_two_block_weights(tmp)
+    )
     state, rows = train(plan, log=lambda _: None)
     return plan, state, rows
 
@@ -148,8 +178,8 @@ def test_resume_is_bit_exact(fixture, tmp_path, request):
 
 
 def test_restored_onto_another_mesh(tmp_path, on_mesh):
-    """The trace's step-0 state saved on data=8 and resumed on fsdp=4,expert=2: its step 1 there
-    is the straight run's step 1 on that mesh, bit for bit, laid out as that mesh lays it out."""
+    """The step-0 state saved on data=8 and resumed on data=2,fsdp=2,expert=2: its step 1 there is
+    the straight run's step 1 on that mesh, bit for bit, laid out as that mesh lays it out."""
     plan, _, _ = on_mesh
     saving = _with_dir(dataclasses.replace(plan, mesh=MeshShape(data=8)), tmp_path, resume=False)
     state0 = initial_state(saving, plan_mesh(saving))
