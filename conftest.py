@@ -2,7 +2,9 @@
 matmuls at "highest" precision, both fixed before JAX is imported; a persistent compilation
 cache; golden fixtures through the golden store, so a missing or stale golden fails naming the
 file and how to regenerate it. The costliest tests start first, and in a session that holds the
-slow stage's epoch the workers beside it run at a lower CPU priority (`CRITICAL_PATH_COST`).
+slow stage's epoch the workers beside it run at a lower CPU priority (`CRITICAL_PATH_COST`). The
+gate's modules that compile lockstep's one-device step run on one worker
+(`ONE_STEP_PARTS_MODULES`).
 
 `pytest -m tpu` (the TPU leg, tests/test_tpu.py) lets JAX pick its backend instead: a TPU host's
 chips, with the CPU beside them; elsewhere the CPU alone, and those tests skip saying so.
@@ -95,6 +97,33 @@ def pytest_collection_modifyitems(items):
     faults), collection order otherwise: the slow stage's work-stealing xdist starts the long
     ones at once and the others fill in beside them."""
     items.sort(key=lambda item: -_cost(item))
+
+
+ONE_STEP_PARTS_MODULES = (
+    "tests/test_lockstep.py",
+    "tests/test_lockstep_past_warmup.py",
+    "tests/test_olmo_core_state.py",
+)
+"""Modules whose fixtures compile the trace's one-device step parts (`parity.run.take_step`, the
+JAX side of lockstep): one xdist scope, so one worker compiles them and the others reuse them.
+As separate scopes two workers could compile the same program at once, each for 25-30 s on 2
+cores, before either had written it to the persistent cache."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` by module, but `ONE_STEP_PARTS_MODULES` as one scope."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedStepScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            shared = module in ONE_STEP_PARTS_MODULES
+            return ONE_STEP_PARTS_MODULES[0] if shared else super()._split_scope(nodeid)
+
+    return SharedStepScheduling(config, log)
 
 
 def pytest_collection_finish(session):
