@@ -3,8 +3,7 @@ matmuls at "highest" precision, both fixed before JAX is imported; a persistent 
 cache; golden fixtures through the golden store, so a missing or stale golden fails naming the
 file and how to regenerate it. The costliest tests start first, and in a session that holds the
 slow stage's epoch the workers beside it run at a lower CPU priority (`CRITICAL_PATH_COST`). The
-gate's modules that compile lockstep's one-device step run on one worker
-(`ONE_STEP_PARTS_MODULES`).
+gate's modules that compile one program run on one worker (`SHARED_STEP_SCOPES`).
 
 `pytest -m tpu` (the TPU leg, tests/test_tpu.py) lets JAX pick its backend instead: a TPU host's
 chips, with the CPU beside them; elsewhere the CPU alone, and those tests skip saying so.
@@ -99,29 +98,34 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -_cost(item))
 
 
-ONE_STEP_PARTS_MODULES = (
-    "tests/test_lockstep.py",
-    "tests/test_lockstep_past_warmup.py",
-    "tests/test_olmo_core_state.py",
+SHARED_STEP_SCOPES = (
+    (
+        "tests/test_lockstep.py",
+        "tests/test_lockstep_past_warmup.py",
+        "tests/test_olmo_core_state.py",
+    ),
+    ("tests/test_train.py", "tests/test_replay.py", "tests/test_diagnosis.py"),
 )
-"""Modules whose fixtures compile the trace's one-device step parts (`parity.run.take_step`, the
-JAX side of lockstep): one xdist scope, so one worker compiles them and the others reuse them.
-As separate scopes two workers could compile the same program at once, each for 25-30 s on 2
+"""Modules whose fixtures compile one program of the trace's config on one device: lockstep's
+step parts (`parity.run.take_step`), then the free-running replay's whole step. Each group is one
+xdist scope, so one worker compiles its program and the group's other modules reuse it. As
+separate scopes two workers could compile the same program at once, each for 25-30 s on 2
 cores, before either had written it to the persistent cache."""
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadscope` by module, but `ONE_STEP_PARTS_MODULES` as one scope."""
+    """`--dist loadscope` by module, but each group of `SHARED_STEP_SCOPES` as one scope."""
     if config.getoption("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    scope_of = {module: group[0] for group in SHARED_STEP_SCOPES for module in group}
+
     class SharedStepScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            shared = module in ONE_STEP_PARTS_MODULES
-            return ONE_STEP_PARTS_MODULES[0] if shared else super()._split_scope(nodeid)
+            return scope_of.get(module) or super()._split_scope(nodeid)
 
     return SharedStepScheduling(config, log)
 
