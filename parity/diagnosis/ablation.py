@@ -50,9 +50,10 @@ def run_all(trace: GoldenTrace, *, steps: int, names: list[str] | None = None) -
         known = [c.name for c in candidates(trace.config)]
         raise UnknownCandidateError(f"unknown candidates {unknown}; known: {known}")
     results = []
-    for candidate in chosen:
+    for i, candidate in enumerate(chosen):
+        if i:  # a dozen compiled steps in one process exhaust LLVM's memory maps
+            release_compiled()
         rows, _ = free_running(trace, candidate.run, steps=steps, on_step=lambda *_: None)
-        release_compiled()  # a dozen compiled steps in one process exhaust LLVM's memory maps
         result = Ablation(candidate.name, candidate.what, rows, signed_gaps(trace, rows))
         results.append(result)
         print(f"{candidate.name}: {_summary(result.gaps)}", flush=True)
