@@ -19,7 +19,7 @@ import safetensors.numpy
 
 from goldens.store import resolve
 from goldens.tolerances import BITWISE
-from model.config import Config, hybrid_layer_types
+from model.config import Config
 from parity import checkpoint
 from parity.lockstep_check import bounds
 from parity.run import MeshShape, Run, free_running
@@ -57,7 +57,7 @@ def _two_blocks() -> Config:
     """The micro config cut to its first block (KDA, the dense feed-forward) and its last
     (attention, the MoE)."""
     cfg = load_trace().config
-    layers = hybrid_layer_types(2, attention_every=2)
+    layers = (cfg.model.layer_types[0], cfg.model.layer_types[-1])
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, n_layers=2, layer_types=layers)
     )
